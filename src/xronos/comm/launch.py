@@ -1,0 +1,226 @@
+"""Local launcher: one process per device, a gloo process group on loopback.
+
+The parent process owns the rendezvous: a c10d ``TCPStore`` built on a socket that the
+parent has already bound to ``127.0.0.1`` (TCPStore alone would listen on every
+interface). Each worker joins its device's resource limits first (``slot.enter()``),
+then the store, then the gloo group, with explicit timeouts on every collective.
+
+The parent watches the workers: the first one to fail -- an exception, a non-zero exit,
+a signal -- stops all the others, and the error names that device and the cause. A
+hung collective ends by the gloo timeout inside the worker, which is then such a failure.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from xronos.comm.mappings import TPGroup
+from xronos.errors import UserError, WorkerError
+
+
+class Slot(Protocol):
+    """Anything that puts the calling process inside its device's limits."""
+
+    def enter(self) -> None: ...
+
+
+@dataclass
+class WorkerContext:
+    """What a worker function receives besides its own arguments."""
+
+    rank: int
+    world_size: int
+    device: str
+    group: TPGroup
+    timeout_s: float
+    devices: tuple[str, ...] = field(default_factory=tuple)
+    channel: Any = None
+
+    def emit(self, event: dict[str, Any]) -> None:
+        """Send a progress event to the parent's ``on_event`` callback (rank 0 usually)."""
+        if self.channel is not None:
+            self.channel.put(("event", self.rank, event))
+
+
+WorkerFn = Callable[[WorkerContext, Any], Any]
+
+
+def _bound_loopback_socket(host: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(256)
+    return sock
+
+
+def init_gloo(
+    rank: int, world_size: int, host: str, port: int, timeout_s: float, ifname: str | None = "lo"
+) -> TPGroup:
+    """Join the store at ``host:port`` and create the gloo group (every collective is
+    bounded by ``timeout_s``)."""
+    if ifname:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return TPGroup.from_default()
+
+
+def _worker_main(
+    rank: int,
+    devices: tuple[str, ...],
+    host: str,
+    port: int,
+    fn: WorkerFn,
+    arg: Any,
+    results: Any,
+    slot: Slot | None,
+    timeout_s: float,
+) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    world = len(devices)
+    try:
+        if slot is not None:
+            slot.enter()
+        group = init_gloo(rank, world, host, port, timeout_s) if world > 1 else TPGroup()
+        ctx = WorkerContext(rank, world, devices[rank], group, timeout_s, devices, results)
+        # Pickled by value here: torch's queue reducers would pass tensors by shared file
+        # descriptor, which is gone once this process exits.
+        results.put(("ok", rank, pickle.dumps(fn(ctx, arg))))
+    except UserError as e:
+        results.put(("user", rank, str(e)))
+        raise SystemExit(2) from None
+    except BaseException as e:
+        tb = traceback.format_exc(limit=-6)
+        results.put(("error", rank, f"{type(e).__name__}: {_first_line(e)}\n{tb}"))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else repr(e)
+
+
+def launch(
+    fn: WorkerFn,
+    args: Sequence[Any],
+    devices: Sequence[str],
+    *,
+    slots: Sequence[Slot | None] | None = None,
+    timeout_s: float = 120.0,
+    host: str = "127.0.0.1",
+    on_start: Callable[[int, int], None] | None = None,
+    on_event: Callable[[int, dict[str, Any]], None] | None = None,
+) -> list[Any]:
+    """Run ``fn(ctx, args[rank])`` in one process per device and return the results.
+
+    Args:
+        fn: a module-level function (spawned processes import it by name).
+        args: one picklable argument per rank.
+        devices: device names, in rank order; they name failures.
+        slots: per-rank resource limits entered first thing in the worker, or None.
+        timeout_s: bound on every collective and on the rendezvous.
+        host: address the store listens on; loopback unless a multi-host address is given.
+        on_start: called as ``on_start(rank, pid)`` once each worker has started.
+        on_event: called as ``on_event(rank, event)`` for each ``ctx.emit(event)``.
+    Raises:
+        UserError: a worker found a mistake in the user's input.
+        WorkerError: a worker failed or died; the message names its device.
+    """
+    devices = tuple(devices)
+    world = len(devices)
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    sock = _bound_loopback_socket(host)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(  # takes ownership of the bound socket's descriptor
+        host, port, world, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False, master_listen_fd=sock.detach(),
+    )  # fmt: skip
+    procs = []
+    try:
+        for rank in range(world):
+            slot = slots[rank] if slots is not None else None
+            p = ctx.Process(
+                target=_worker_main,
+                args=(rank, devices, host, port, fn, args[rank], results, slot,
+                      timeout_s),
+                name=f"xronos-{devices[rank]}",
+                daemon=False,
+            )  # fmt: skip
+            p.start()
+            procs.append(p)
+            if on_start is not None and p.pid is not None:
+                on_start(rank, p.pid)
+        return _collect(procs, results, devices, on_event)
+    finally:
+        _stop_all(procs)
+        results.close()
+        del store
+
+
+def _collect(
+    procs: list[Any],
+    results: Any,
+    devices: tuple[str, ...],
+    on_event: Callable[[int, dict[str, Any]], None] | None,
+) -> list[Any]:
+    out: dict[int, Any] = {}
+    while len(out) < len(procs):
+        try:
+            kind, rank, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            for rank, p in enumerate(procs):
+                if rank not in out and p.exitcode is not None:
+                    # give a message that was sent just before exiting a moment to arrive
+                    time.sleep(0.5)
+                    if results.empty():
+                        reason = _exit_reason(p.exitcode)
+                        msg = f"device {devices[rank]!r} (rank {rank}) died: {reason}"
+                        raise WorkerError(msg) from None
+            continue
+        if kind == "event":
+            if on_event is not None:
+                on_event(rank, payload)
+        elif kind == "ok":
+            out[rank] = pickle.loads(payload)
+        elif kind == "user":
+            raise UserError(payload)
+        else:
+            first, _, tb = payload.partition("\n")
+            raise WorkerError(f"device {devices[rank]!r} (rank {rank}) failed: {first}", tb)
+    return [out[r] for r in range(len(procs))]
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _stop_all(procs: list[Any], grace_s: float = 3.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)

@@ -1,0 +1,118 @@
+"""Communication for tensor parallelism: a process-group handle and Megatron's conjugate pairs.
+
+Shape algebra (``R`` ranks, hidden ``H``, tokens ``N = B·S``)::
+
+    copy_to_tp(x):      forward  y = x                         x, y: (N, H) on every rank
+                        backward dx = all_reduce(dy)           dy: per-rank partial (N, H)
+    reduce_from_tp(x):  forward  y = all_reduce(x)             x: per-rank partial (N, H)
+                        backward dx = dy                        dy: identical on every rank
+
+``copy_to_tp`` sits before a column-parallel input, ``reduce_from_tp`` after a
+row-parallel output. Both are identities with one rank. Every collective goes through
+``TPGroup.all_reduce`` so that it is timed (arrive/leave, DESIGN §6) and bounded by the
+group's timeout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from xronos.metrics.recorder import current_recorder
+
+
+@dataclass
+class TPGroup:
+    """The ranks that share one model's tensors, passed explicitly to every layer."""
+
+    rank: int = 0
+    size: int = 1
+    pg: dist.ProcessGroup | None = None
+
+    @classmethod
+    def from_default(cls) -> TPGroup:
+        if not dist.is_initialized():
+            return cls()
+        return cls(rank=dist.get_rank(), size=dist.get_world_size(), pg=dist.group.WORLD)
+
+    def all_reduce(self, t: torch.Tensor, name: str, op: Any = dist.ReduceOp.SUM) -> None:
+        """In-place all-reduce of ``t`` (contiguous), timed and recorded as ``name``."""
+        if self.size == 1:
+            return
+        with current_recorder().collective(name):
+            dist.all_reduce(t, op=op, group=self.pg)
+
+    def all_gather(self, t: torch.Tensor, name: str) -> list[torch.Tensor]:
+        """All-gather of equal-shaped tensors (gloo requires equal sizes on every rank)."""
+        if self.size == 1:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        with current_recorder().collective(name):
+            dist.all_gather(out, t.contiguous(), group=self.pg)
+        return out
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce (sum) of the input gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: TPGroup, name: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.name = group, name
+        return x
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        dy = dy.contiguous().clone()
+        ctx.group.all_reduce(dy, ctx.name + ".bwd")
+        return dy, None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Forward: all-reduce (sum). Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: TPGroup, name: str) -> torch.Tensor:  # type: ignore[override]
+        y = x.contiguous().clone()
+        group.all_reduce(y, name + ".fwd")
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return dy, None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: TPGroup, name: str = "copy") -> torch.Tensor:
+    if group.size == 1:
+        return x
+    return _CopyToTP.apply(x, group, name)  # type: ignore[no-any-return]
+
+
+def reduce_from_tp(x: torch.Tensor, group: TPGroup, name: str = "reduce") -> torch.Tensor:
+    if group.size == 1:
+        return x
+    return _ReduceFromTP.apply(x, group, name)  # type: ignore[no-any-return]
+
+
+class CopyToTP(torch.nn.Module):
+    """Module form of :func:`copy_to_tp`, for the model's ``enter`` seam."""
+
+    def __init__(self, group: TPGroup, name: str) -> None:
+        super().__init__()
+        self.group, self.name = group, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(x, self.group, self.name)
+
+
+class ReduceFromTP(torch.nn.Module):
+    """Module form of :func:`reduce_from_tp`, for the model's ``exit`` seam."""
+
+    def __init__(self, group: TPGroup, name: str) -> None:
+        super().__init__()
+        self.group, self.name = group, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(x, self.group, self.name)

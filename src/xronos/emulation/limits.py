@@ -1,0 +1,317 @@
+"""Turn a :class:`ClusterSpec` into real limits on this host, and take them down again.
+
+Used by the launcher (parent process)::
+
+    with Emulator(cluster, run_id) as emu:
+        for rank in range(cluster.world_size):
+            proc = ctx.Process(target=worker, args=(emu.slot(rank), ...))
+            proc.start()
+            emu.attach(rank, proc.pid)      # needed for the duty-cycle fallback
+        print("\\n".join(emu.report()))
+        ...                                 # workers call slot.enter() first thing
+
+Mechanisms, best first: cgroup v1/v2 for CPU quota, CPU set and memory cap; else a
+duty-cycle helper process per worker for the CPU quota and ``sched_setaffinity`` for the CPU
+set. ``report()`` says which one is in force. Teardown (on ``__exit__``, at interpreter exit,
+on SIGTERM; idempotent) kills any worker left inside the devices and removes every cgroup,
+namespace and link; :func:`cleanup_stale` handles runs that could not tear down.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import re
+import signal
+import threading
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, Literal
+
+from xronos.emulation import cgroups, netns
+from xronos.emulation.cgroups import Group, Hierarchy, Limits
+from xronos.emulation.cluster import ClusterSpec
+from xronos.emulation.dutycycle import DutyCycle
+from xronos.emulation.report import emulator_report
+from xronos.emulation.slot import DeviceSlot, assign_cpus
+from xronos.emulation.state import PREFIX, RunState, default_state_dir, process_start_time
+from xronos.errors import UserError
+
+log = logging.getLogger(__name__)
+
+Mechanism = Literal["auto", "cgroup", "duty-cycle", "none"]
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_DETECT: Any = object()
+
+
+class Emulator:
+    """Emulated devices for one run (see the module docstring).
+
+    Args:
+        cluster: the devices; device ``i`` is rank ``i``.
+        run_id: names the run's cgroups ``xronos-<run_id>-<device>``.
+        network: also give each device a network namespace with a shaped link.
+        mechanism: ``auto`` (cgroups where writable, else duty-cycle), ``cgroup`` (fail
+            with a UserError if cgroups cannot be used), ``duty-cycle`` (force the fallback)
+            or ``none`` (CPU sets only, no quota).
+        period_us: CPU quota period; 10 ms keeps throttling smooth at millisecond op
+            granularity.
+        state_dir: where the run's state file goes (see :mod:`state`).
+        hierarchy: the cgroup hierarchy to use; detected from the host by default.
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        run_id: str,
+        *,
+        network: bool = False,
+        mechanism: Mechanism = "auto",
+        period_us: int = 10_000,
+        state_dir: str | os.PathLike[str] | None = None,
+        hierarchy: Hierarchy | None = _DETECT,
+    ) -> None:
+        if not RUN_ID_RE.match(run_id):
+            raise UserError(
+                f"run id {run_id!r}: not usable in cgroup names; use 1-64 letters, digits, "
+                "'.', '-' or '_'"
+            )
+        if mechanism not in ("auto", "cgroup", "duty-cycle", "none"):
+            raise UserError(
+                f"emulation mechanism {mechanism!r}: unknown; use auto, cgroup, duty-cycle or none"
+            )
+        self.cluster = cluster
+        self.run_id = run_id
+        self.network = network
+        self.mechanism: Mechanism = mechanism
+        self.period_us = period_us
+        self.hierarchy: Hierarchy | None = cgroups.detect() if hierarchy is _DETECT else hierarchy
+        self.host_cpus = sorted(os.sched_getaffinity(0))
+        devices = cluster.devices
+        self.cpus = assign_cpus(
+            [d.cores for d in devices], [d.cpu_quota for d in devices], self.host_cpus
+        )
+        self.groups: list[Group | None] = [None] * len(devices)
+        self.cpu_mechanism: list[str] = ["none"] * len(devices)
+        """Per rank: ``cgroup v1``, ``cgroup v2``, ``duty-cycle`` or ``none``."""
+        self.net: netns.NetworkPlan | None = None
+        self.net_notes: list[str] = []
+        self.bridge_ip: str | None = None
+        """Address in the root namespace that devices reach (None without network)."""
+        self.notes: dict[str, str] = {}
+        self.problems: list[str] = []
+        self._helpers: dict[int, DutyCycle] = {}
+        self._attached: dict[int, tuple[int, str | None]] = {}
+        self._state_path = Path(state_dir or default_state_dir()) / f"{PREFIX}{run_id}.json"
+        self._state: RunState | None = None
+        self._owner = os.getpid()
+        self._prev_sigterm: Any = None
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> Emulator:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Create every limit; on any failure tear down what was made and re-raise."""
+        if self._started:
+            return
+        self._started = True
+        atexit.register(self.close)
+        if threading.current_thread() is threading.main_thread():
+            self._prev_sigterm = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            self._state = RunState(self.run_id, self._owner, process_start_time(self._owner))
+            self._setup_cgroups()
+            if self.network:
+                self._setup_network()
+        except BaseException:
+            self.close()
+            raise
+
+    def _save_state(self) -> None:
+        state = self._state
+        if state is None or not (state.cgroup_dirs or state.namespaces or state.links):
+            return
+        try:
+            state.save(self._state_path)
+        except OSError as e:  # the run goes on; only cleanup after a crash is lost
+            log.warning("cannot record emulation state in %s: %s", self._state_path, e)
+
+    def _group_name(self, rank: int) -> str:
+        return f"{PREFIX}{self.run_id}-{self.cluster.devices[rank].name}"
+
+    def _limits(self, rank: int) -> Limits:
+        device = self.cluster.devices[rank]
+        quota_us, period = cgroups.quota_and_period(device.capacity, self.period_us)
+        if period != self.period_us:
+            self.notes["period"] = f"period stretched to {period} us for the 1 ms minimum quota"
+        return Limits(self.cpus[rank], quota_us, period, device.memory_bytes)
+
+    def _setup_cgroups(self) -> None:
+        if self.mechanism in ("duty-cycle", "none"):
+            self.notes["cgroups"] = f"cgroups not used: {self.mechanism} requested"
+            self._no_cgroups()
+            return
+        h = self.hierarchy
+        if h is None:
+            return self._cgroups_unavailable("no cgroup hierarchy is mounted")
+        assert self._state is not None
+        limits = [self._limits(r) for r in range(self.cluster.world_size)]
+        for rank, lim in enumerate(limits):
+            self._state.cgroup_dirs += [str(d) for d in h.plan_dirs(self._group_name(rank), lim)]
+        self._save_state()
+        try:
+            for rank, lim in enumerate(limits):
+                self.groups[rank] = h.create(self._group_name(rank), lim)
+        except OSError as e:
+            self.groups = [None] * self.cluster.world_size
+            self.problems += cgroups.destroy_dirs([Path(d) for d in self._state.cgroup_dirs])
+            self._state.cgroup_dirs = []
+            return self._cgroups_unavailable(f"cgroups not writable: {e.strerror or e}")
+        for rank, group in enumerate(self.groups):
+            assert group is not None
+            if "cpu" in group.applied:
+                self.cpu_mechanism[rank] = f"cgroup {h.version}"
+            elif self.mechanism == "cgroup":
+                raise UserError(
+                    f"cgroup cpu controller: {group.problems.get('cpu', 'unavailable')}; run "
+                    "as root with a writable cgroup hierarchy, or choose the duty-cycle fallback"
+                )
+            else:
+                self.notes["cpu"] = group.problems.get("cpu", "cpu controller not available")
+                self.cpu_mechanism[rank] = "duty-cycle"
+
+    def _cgroups_unavailable(self, reason: str) -> None:
+        if self.mechanism == "cgroup":
+            raise UserError(
+                f"emulation: {reason}; run as root on a host with cgroups, or use the "
+                "duty-cycle fallback"
+            )
+        self.notes["cgroups"] = reason
+        self._no_cgroups()
+
+    def _no_cgroups(self) -> None:
+        fallback = "none" if self.mechanism == "none" else "duty-cycle"
+        self.cpu_mechanism = [fallback] * self.cluster.world_size
+        self._save_state()
+
+    def _setup_network(self) -> None:
+        try:
+            plan = netns.plan_network(self.run_id, self.cluster.world_size)
+        except netns.NetworkUnavailable as e:
+            self.notes["network"] = str(e)
+            return
+        assert self._state is not None
+        self._state.namespaces, self._state.links = plan.namespaces, plan.links
+        self._save_state()
+        try:
+            self.net_notes = netns.setup_network(plan, self.cluster.devices)
+        except netns.NetworkUnavailable as e:
+            self.notes["network"] = str(e)
+            return
+        self.net, self.bridge_ip = plan, plan.bridge_ip
+
+    # ------------------------------------------------------------------ workers
+
+    def slot(self, rank: int) -> DeviceSlot:
+        """What the worker of ``rank`` passes to :meth:`DeviceSlot.enter`."""
+        if not self._started:
+            raise RuntimeError("Emulator.slot() before start(): use it inside `with Emulator(...)`")
+        device = self.cluster.devices[rank]
+        group = self.groups[rank]
+        net = self.net
+        return DeviceSlot(
+            rank=rank,
+            device=device.name,
+            threads=device.cores,
+            cpus=self.cpus[rank],
+            cgroup_procs=group.procs_files if group is not None else (),
+            netns=net.namespace(rank) if net else None,
+            ip=net.ip(rank) if net else None,
+            ifname=netns.IFNAME if net else None,
+        )
+
+    def attach(self, rank: int, pid: int) -> None:
+        """Put a started worker under its device's limits from the outside: joins it to the
+        cgroups (the worker's own :meth:`DeviceSlot.enter` does the same) and, under the
+        duty-cycle fallback, starts its throttle helper. Call it right after starting."""
+        if self._closed or not self._started:
+            raise RuntimeError("Emulator.attach() outside of its `with` block")
+        self._attached[rank] = (pid, process_start_time(pid))
+        group = self.groups[rank]
+        if group is not None and self.hierarchy is not None:
+            try:
+                self.hierarchy.add_pid(group, pid)
+            except ProcessLookupError:
+                return
+        quota = self.cluster.devices[rank].cpu_quota
+        if self.cpu_mechanism[rank] == "duty-cycle" and quota < 1.0:
+            if rank in self._helpers:
+                self._helpers.pop(rank).stop()
+            self._helpers[rank] = DutyCycle(pid, quota, self.period_us / 1e6)
+
+    # ------------------------------------------------------------------ teardown
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        prev = self._prev_sigterm
+        self.close()
+        if callable(prev):
+            prev(signum, frame)
+        elif prev != signal.SIG_IGN and os.getpid() == self._owner:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _destroy_groups(self) -> None:
+        for rank, group in enumerate(self.groups):
+            if group is not None and self.hierarchy is not None:
+                self.problems += self.hierarchy.destroy(group)
+            self.groups[rank] = None
+
+    def close(self) -> None:
+        """Tear everything down: stop throttle helpers, kill workers still inside the
+        devices, remove cgroups, namespaces and links. Safe to call again, from atexit, from
+        the SIGTERM handler; does nothing in a forked child of the owner."""
+        if self._closed or not self._started or os.getpid() != self._owner:
+            return
+        self._closed = True
+        for helper in self._helpers.values():
+            helper.stop()
+        self._helpers.clear()
+        for pid, born in self._attached.values():
+            if born is not None and process_start_time(pid) == born:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self._destroy_groups()
+        if self._state is not None and (self._state.namespaces or self._state.links):
+            self.problems += netns.teardown_network(self._state.namespaces, self._state.links)
+        if self.problems:
+            log.warning("emulation teardown incomplete: %s", "; ".join(self.problems))
+        else:
+            self._state_path.unlink(missing_ok=True)
+        atexit.unregister(self.close)
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == self._on_sigterm
+        ):
+            signal.signal(signal.SIGTERM, self._prev_sigterm)
+
+    # ------------------------------------------------------------------ report
+
+    def report(self) -> list[str]:
+        """Lines for the user: which mechanism emulates what, and each device's limits."""
+        return emulator_report(self)

@@ -1,0 +1,131 @@
+"""One training step on this rank's shard: same code for one device and many.
+
+Per step, besides the per-layer collectives inside forward and backward:
+
+1. one all-reduce of the flattened gradients that are per-rank partial sums
+   (LoRA A on column-parallel bases, LoRA B on row-parallel bases, Qwen3 q/k norms),
+2. one all-reduce of the squared gradient norm for clipping by the *global* norm
+   (sharded parameters count on every rank, replicated ones once).
+
+Loss = Σ cross-entropy over label tokens / global count of label tokens in the step
+(all micro-batches of gradient accumulation together); a fully masked step gives 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from xronos.comm.mappings import TPGroup
+from xronos.config import ModelConfig
+from xronos.model.llama import LlamaForCausalLM
+from xronos.parallel.spec import partial_grad, shard_spec
+from xronos.planner.plan import Plan
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # input_ids (B, S), labels (B, S); -100 = ignore
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW and clipping settings."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    warmup_steps: int = 0
+    """Linear warm-up steps, then constant."""
+    bf16: bool = False
+    """Run forward/backward under bf16 autocast (weights and LoRA stay fp32)."""
+
+
+class Trainer:
+    """AdamW on the local shards with global-norm clipping and exact loss normalisation."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cfg: ModelConfig,
+        plan: Plan,
+        group: TPGroup,
+        opt: OptimConfig,
+    ) -> None:
+        self.model, self.group, self.opt_cfg = model, group, opt
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.partial = [p for n, p in named if group.size > 1 and partial_grad(n)]
+        # A replicated parameter's gradient is identical on every rank: count it once.
+        self.norm_weight = [
+            1.0 if shard_spec(n, cfg, plan, group.rank) is not None or group.rank == 0 else 0.0
+            for n, _ in named
+        ]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        self.steps_done = 0
+
+    def _lr_factor(self) -> float:
+        w = self.opt_cfg.warmup_steps
+        return min(1.0, (self.steps_done + 1) / w) if w > 0 else 1.0
+
+    def step(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
+        """Forward, backward and update over ``micro_batches``; returns (loss, grad norm)."""
+        self.model.train()
+        count = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro_batches)
+        denom = float(max(count, 1))
+        total = 0.0
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16)
+            if self.opt_cfg.bf16
+            else contextlib.nullcontext()
+        )
+        for ids, labels in micro_batches:
+            with autocast:
+                loss_sum = self.model.loss_sum(ids, labels)
+            (loss_sum / denom).backward()
+            total += float(loss_sum.detach())
+        self._sync_partial_grads()
+        norm = self._clip()
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.opt_cfg.lr * self._lr_factor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+        return total / denom, norm
+
+    def _sync_partial_grads(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.partial]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.group.all_reduce(flat, "grads.partial")
+        offset = 0
+        for p, g in zip(self.partial, grads, strict=True):
+            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+
+    def _clip(self) -> float:
+        sq = torch.zeros(1, dtype=torch.float64)
+        for p, w in zip(self.params, self.norm_weight, strict=True):
+            if p.grad is not None and w:
+                sq += p.grad.detach().double().pow(2).sum()
+        self.group.all_reduce(sq, "grads.norm")
+        norm = float(sq.sqrt())
+        max_norm = self.opt_cfg.max_grad_norm
+        if max_norm > 0 and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    # -- checkpoint support ----------------------------------------------------------------
+    def lr_now(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])

@@ -1,0 +1,17 @@
+"""The exception types that reach the user as a single line."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in the user's input: printed as one line naming the problem and the fix,
+    followed by a non-zero exit. Never raised for bugs in Xronos itself."""
+
+
+class WorkerError(RuntimeError):
+    """A device's worker failed or stopped answering; the message names the device.
+    ``details`` holds the worker's traceback, shown with ``--verbose``."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details

@@ -1,0 +1,96 @@
+"""The bench comparison as a table: plain text for files and docs, ``rich`` for the console.
+
+``vs tp-even`` is the change in median step time relative to Megatron's even split
+(negative = faster); ratios are shown as percentages; a missing value is ``-``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+HEADERS = (
+    "strategy",
+    "step s",
+    "vs tp-even",
+    "tokens/s",
+    "idle mean",
+    "idle max",
+    "stall",
+    "efficiency",
+    "final loss",
+)
+BASELINE = "tp-even"
+
+
+def _num(entry: Mapping[str, Any], key: str) -> float | None:
+    v = entry.get(key)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def _fmt(value: float | None, style: Callable[[float], str]) -> str:
+    return "-" if value is None else style(value)
+
+
+def bench_rows(bench: Mapping[str, Any]) -> list[list[str]]:
+    """One row of formatted cells per strategy, in the order of ``bench["strategies"]``."""
+    strategies: Mapping[str, Mapping[str, Any]] = bench.get("strategies", {})
+    base = _num(strategies.get(BASELINE, {}), "step_time_s")
+    rows = []
+    for name, entry in strategies.items():
+        step = _num(entry, "step_time_s")
+        change = None if step is None or not base else (step / base - 1.0) * 100.0
+        rows.append(
+            [
+                name,
+                _fmt(step, lambda v: f"{v:.3f}"),
+                _fmt(change, lambda v: f"{v:+.1f}%"),
+                _fmt(_num(entry, "tokens_per_s"), lambda v: f"{v:.1f}"),
+                _fmt(_num(entry, "idle_ratio_mean"), lambda v: f"{100 * v:.1f}%"),
+                _fmt(_num(entry, "idle_ratio_max"), lambda v: f"{100 * v:.1f}%"),
+                _fmt(_num(entry, "stall_ratio"), lambda v: f"{100 * v:.1f}%"),
+                _fmt(_num(entry, "efficiency"), lambda v: f"{100 * v:.1f}%"),
+                _fmt(_num(entry, "final_loss"), lambda v: f"{v:.4f}"),
+            ]
+        )
+    return rows
+
+
+def format_bench_table(bench: Mapping[str, Any]) -> str:
+    """Plain-text table of a ``bench.json`` document (DESIGN §7), ending with a newline."""
+    rows = bench_rows(bench)
+    widths = [max(len(r[i]) for r in [list(HEADERS), *rows]) for i in range(len(HEADERS))]
+
+    def line(cells: list[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
+        return "  ".join([first, *rest]).rstrip()
+
+    out = [line(list(HEADERS)), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in rows]
+    ideal = _num(bench, "ideal_step_time_s")
+    if ideal:
+        out.append(f"ideal step time: {ideal:.3f} s")
+    return "\n".join(out) + "\n"
+
+
+def print_bench_table(bench: Mapping[str, Any], console: Any = None) -> None:
+    """Print the table with ``rich`` when it is installed, else as plain text."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(format_bench_table(bench), end="")
+        return
+    table = Table(title=f"xronos bench: {bench.get('scenario', '')}")
+    for i, header in enumerate(HEADERS):
+        table.add_column(header, justify="left" if i == 0 else "right")
+    for row in bench_rows(bench):
+        table.add_row(*row)
+    (console or Console()).print(table)
+    ideal = _num(bench, "ideal_step_time_s")
+    if ideal:
+        (console or Console()).print(f"ideal step time: {ideal:.3f} s")

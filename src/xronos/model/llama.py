@@ -1,0 +1,231 @@
+"""A LLaMA-family decoder as plain single-device PyTorch.
+
+Covers Llama 2/3/3.x, Mistral, SmolLM/TinyLlama (GQA, tied or untied embeddings),
+Qwen2/2.5 (bias on q/k/v) and Qwen3 (per-head RMSNorm on q and k). Parameter names match
+Hugging Face (``model.layers.0.self_attn.q_proj.weight`` ...), so checkpoints load and
+export without renaming.
+
+Nothing here knows about devices. Tensor parallelism arrives from outside
+(``xronos.parallel.shard_model``) through two seams per block:
+
+* ``enter`` -- identity on one device; ``copy_to_tp`` (backward all-reduce) when sharded.
+* ``exit``  -- identity on one device; ``reduce_from_tp`` (forward all-reduce) when sharded.
+
+and through the *shapes* of the projections: a sharded attention simply has fewer heads
+(``q_proj.out_features // head_dim``), a sharded MLP fewer columns. The forward code reads
+the local sizes from the weights and is the same for one device and many.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xronos.config import ModelConfig
+from xronos.model.rope import RotaryEmbedding, apply_rotary
+
+
+class Head(Protocol):
+    """What the model asks of its LM head (single-device or vocab-parallel)."""
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.head_dim = d
+        self.q_per_kv = cfg.q_per_kv
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.enter: nn.Module = nn.Identity()
+        self.exit: nn.Module = nn.Identity()
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, S, H)
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = self.head_dim
+        # Local KV heads: all of them on one device, possibly zero on a sharded one (the
+        # empty projections then yield zeros, and the seams' collectives still run).
+        n_kv = self.k_proj.weight.shape[0] // d
+        x = self.enter(x)
+        q = self.q_proj(x).view(b, s, n_kv * self.q_per_kv, d).transpose(1, 2)  # (B, nq, S, d)
+        k = self.k_proj(x).view(b, s, n_kv, d).transpose(1, 2)  # (B, nkv, S, d)
+        v = self.v_proj(x).view(b, s, n_kv, d).transpose(1, 2)  # (B, nkv, S, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *cos_sin)
+        if cache is not None:
+            k, v = cache.update(self, k, v)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=cache is None or s > 1, enable_gqa=self.q_per_kv > 1
+        )  # (B, nq, S, d)
+        y = y.transpose(1, 2).reshape(b, s, -1)
+        return self.exit(self.o_proj(y))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+        self.enter: nn.Module = nn.Identity()
+        self.exit: nn.Module = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.enter(x)
+        return self.exit(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Embedding + blocks + final norm (Hugging Face's ``model.`` prefix)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg)
+        # Replaced by a vocab-parallel head when sharded; see xronos.parallel.vocab.
+        self.head: Head = LMHead(self.lm_head)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # (B, S)
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        pos0 = cache.length if cache is not None else 0
+        x = self.model.embed_tokens(input_ids)  # (B, S, H)
+        cos_sin = self.rotary(pos0, input_ids.shape[1], x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos_sin, cache)
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+        return self.model.norm(x)  # type: ignore[no-any-return]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, S, V_local): the full vocabulary on one device, a slice when sharded."""
+        return self.head.logits(self.hidden_states(input_ids))
+
+    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed next-token cross-entropy over labels != -100 (labels are unshifted)."""
+        h = self.hidden_states(input_ids)[:, :-1]
+        return self.head.loss_sum(h, labels[:, 1:])
+
+
+class LMHead(nn.Module):
+    """Single-device LM head; the vocab-parallel one has the same two methods."""
+
+    def __init__(self, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.lm_head = lm_head
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)  # type: ignore[no-any-return]
+
+    def loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(h).float()
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+            ignore_index=-100, reduction="sum",
+        )  # fmt: skip
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, H) hidden states -> (B,) argmax token ids."""
+        return self.lm_head(h).argmax(dim=-1)  # type: ignore[no-any-return]
+
+
+class KVCache:
+    """Per-layer key/value cache for greedy decoding: (B, nkv_local, S_total, d)."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(
+        self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = id(attn)
+        if key in self._kv:
+            pk, pv = self._kv[key]
+            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+        self._kv[key] = (k, v)
+        return k, v
+
+
+def init_weights(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> None:
+    """Deterministic initialisation from ``seed``: the same master weights on every rank.
+
+    Linear/embedding weights ~ N(0, std), biases 0, norms 1. Parameters are visited in
+    ``named_parameters`` order, so the result depends only on the config and the seed.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)

@@ -1,0 +1,142 @@
+"""Build a model that holds only this rank's slices, and wire its communication seams.
+
+The flow (DESIGN §2): ``Plan -> build_model(cfg, plan, group, source) -> engine``.
+
+1. The full single-device model is constructed on the ``meta`` device (no memory).
+2. Every parameter is materialised at its *local* shape, its values taken from the
+   source: a seeded preset (every rank draws the same master tensor and keeps its slice,
+   so 1 rank and N ranks start bit-identical) or a safetensors checkpoint (each rank
+   reads only its slices).
+3. The ``enter``/``exit`` seams of every block become ``copy_to_tp``/``reduce_from_tp``,
+   and the LM head (and, if tied, the embedding) becomes vocab-parallel.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import cast
+
+import torch
+from torch import nn
+
+from xronos.comm.mappings import CopyToTP, ReduceFromTP, TPGroup
+from xronos.config import ModelConfig
+from xronos.errors import UserError
+from xronos.model.llama import Block, LlamaForCausalLM
+from xronos.model.lora import LoRAConfig, LoRALinear, add_lora, lora_init
+from xronos.model.rope import RotaryEmbedding
+from xronos.model.safetensors_io import SafetensorsReader
+from xronos.parallel.spec import ShardSpec, shard_spec
+from xronos.parallel.vocab import VocabParallelEmbedding, VocabParallelHead
+from xronos.planner.plan import Plan
+
+
+def _preset_tensor(name: str, shape: torch.Size, gen: torch.Generator, std: float) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    return torch.randn(shape, generator=gen) * std
+
+
+def _take(t: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+    if spec is None:
+        return t
+    return t.narrow(spec.dim, spec.start, max(0, min(spec.end, t.shape[spec.dim]) - spec.start))
+
+
+def _set_param(model: nn.Module, name: str, value: torch.Tensor, trainable: bool) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    setattr(owner, attr, nn.Parameter(value.contiguous(), requires_grad=trainable))
+    if isinstance(owner, nn.Linear) and attr == "weight":
+        owner.out_features, owner.in_features = value.shape
+
+
+def build_model(
+    cfg: ModelConfig,
+    plan: Plan,
+    group: TPGroup,
+    *,
+    model_dir: str | Path | None = None,
+    seed: int = 0,
+    lora: LoRAConfig | None = None,
+    dtype: torch.dtype = torch.float32,
+    init_std: float = 0.02,
+) -> LlamaForCausalLM:
+    """This rank's shard of the model, ready to train or generate.
+
+    Args:
+        cfg: model shape.
+        plan: units per device; ``plan.world_size`` must equal ``group.size``.
+        group: the tensor-parallel group (size 1 = plain single-device model).
+        model_dir: Hugging Face directory to load from; None = seeded preset weights.
+        seed: master-weight seed for presets and the LoRA initialisation seed.
+        lora: adapter config; None = full fine-tuning (every parameter trainable).
+        dtype: dtype of the base weights (LoRA adapters are always fp32).
+    """
+    if plan.world_size != group.size:
+        raise ValueError(f"plan has {plan.world_size} devices but the group has {group.size}")
+    plan.check(cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model.rotary = RotaryEmbedding(cfg)  # a buffer computed from the config, not loaded
+    if lora is not None:
+        add_lora(model, lora, seed=seed)
+    base_gen = torch.Generator().manual_seed(seed)
+    lora_gen = torch.Generator().manual_seed(seed + 1)
+    reader = SafetensorsReader(model_dir) if model_dir is not None else None
+    try:
+        for name, p in list(model.named_parameters()):
+            spec = shard_spec(name, cfg, plan, group.rank)
+            if ".lora_" in name:
+                full = torch.zeros(p.shape)
+                if ".lora_A." in name:
+                    lora_init(full, lora_gen)
+                _set_param(model, name, _take(full, spec), trainable=True)
+            elif reader is not None:
+                t = _read(reader, name, spec)
+                want = list(_take(torch.empty(p.shape, device="meta"), spec).shape)
+                if list(t.shape) != want:
+                    raise UserError(
+                        f"{model_dir}: tensor {name!r} has shape {list(t.shape)} where "
+                        f"config.json implies {want}; the checkpoint and config.json disagree"
+                    )
+                _set_param(model, name, t.to(dtype), trainable=lora is None)
+            else:
+                t = _take(_preset_tensor(name, p.shape, base_gen, init_std), spec)
+                _set_param(model, name, t.to(dtype), trainable=lora is None)
+    finally:
+        if reader is not None:
+            reader.close()
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            spec = shard_spec(name + ".weight", cfg, plan, group.rank)
+            m.in_range = (spec.start, spec.end) if spec and spec.dim == 1 else (0, m.full_in)
+    if group.size > 1:
+        wire_seams(model, cfg, plan, group)
+    return model
+
+
+def _read(reader: SafetensorsReader, name: str, spec: ShardSpec | None) -> torch.Tensor:
+    if spec is None:
+        return reader.read(name)
+    full_len = reader.shape(name)[spec.dim]
+    return reader.read(name, spec.dim, spec.start, min(spec.end, full_len))
+
+
+def wire_seams(model: LlamaForCausalLM, cfg: ModelConfig, plan: Plan, group: TPGroup) -> None:
+    """Install the collectives: two conjugate pairs per block, a vocab-parallel head."""
+    for i, layer in enumerate(cast("list[Block]", model.model.layers)):
+        layer.self_attn.enter = CopyToTP(group, f"L{i}.attn.in")
+        layer.self_attn.exit = ReduceFromTP(group, f"L{i}.attn.out")
+        layer.mlp.enter = CopyToTP(group, f"L{i}.mlp.in")
+        layer.mlp.exit = ReduceFromTP(group, f"L{i}.mlp.out")
+    v0, _ = plan.bounds("vocab", group.rank, cfg.vocab_size)
+    model.head = VocabParallelHead(model.lm_head, v0, cfg.vocab_size, group)
+    if cfg.tie_word_embeddings:
+        model.model.embed_tokens = VocabParallelEmbedding(  # type: ignore[assignment]
+            model.model.embed_tokens.weight, v0, group
+        )

@@ -1,0 +1,99 @@
+"""What the profiler measured on one device: linear cost curves per segment, memory, link.
+
+``t(u) = a + b·u`` is the forward+backward time of ``u`` units of a segment at the real
+batch and sequence shape. For ``attn`` and ``mlp`` it is the time of *all layers*
+together (one layer's measurement times ``num_layers``), so that a plan's predicted step
+time is the sum over segments. A device holding zero units of a segment spends nothing
+on it: ``t(0) = 0``, not ``a``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from xronos.errors import UserError
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """``t(u) = a + b·u`` seconds for ``u > 0`` units, and 0 for ``u = 0``."""
+
+    a: float
+    b: float
+
+    def __call__(self, units: int) -> float:
+        return 0.0 if units <= 0 else self.a + self.b * units
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceProfile:
+    """One device's profile, as measured inside its own resource limits."""
+
+    name: str
+    """Device name from the cluster spec."""
+    segments: dict[str, CostCurve]
+    """``attn`` / ``mlp`` / ``vocab`` -> cost of that many units per training step."""
+    replicated_s: float
+    """Per-step time of the work every device repeats (embedding, norms, RoPE, optimizer)."""
+    allreduce_s: float = 0.0
+    """Time of one all-reduce of the activation size, measured on this device's link."""
+    allreduces_per_step: int = 0
+    """How many such all-reduces a training step performs."""
+    memory_bytes: int = 0
+    """Memory usable by the model on this device (0 = unknown/unbounded)."""
+    unit_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes of weights + gradients + optimizer state per unit of each segment."""
+    base_bytes: int = 0
+    """Bytes every device needs regardless of its units (replicated weights, activations)."""
+    key: str = ""
+    """Cache key: device spec + model shape + batch shape."""
+
+    def step_time(self, units: dict[str, int]) -> float:
+        """Predicted step time of this device alone holding ``units``."""
+        return self.replicated_s + sum(self.segments[s](u) for s, u in units.items())
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DeviceProfile:
+        try:
+            return cls(
+                name=d["name"],
+                segments={k: CostCurve(**v) for k, v in d["segments"].items()},
+                replicated_s=float(d["replicated_s"]),
+                allreduce_s=float(d.get("allreduce_s", 0.0)),
+                allreduces_per_step=int(d.get("allreduces_per_step", 0)),
+                memory_bytes=int(d.get("memory_bytes", 0)),
+                unit_bytes={k: int(v) for k, v in d.get("unit_bytes", {}).items()},
+                base_bytes=int(d.get("base_bytes", 0)),
+                key=str(d.get("key", "")),
+            )
+        except (KeyError, TypeError) as e:
+            raise UserError(
+                f"profile: malformed device entry ({e}); re-run `xronos profile`"
+            ) from e
+
+
+def save_profiles(path: str, profiles: list[DeviceProfile], meta: dict[str, Any]) -> None:
+    from xronos.utils import atomic_write_text
+
+    atomic_write_text(
+        path, json.dumps({**meta, "devices": [p.to_dict() for p in profiles]}, indent=2)
+    )
+
+
+def load_profiles(path: str) -> tuple[list[DeviceProfile], dict[str, Any]]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError as e:
+        raise UserError(f"{path}: profile not found; create it with `xronos profile`") from e
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+    devices = [DeviceProfile.from_dict(d) for d in data.pop("devices", [])]
+    if not devices:
+        raise UserError(f"{path}: no devices in profile; re-run `xronos profile`")
+    return devices, data

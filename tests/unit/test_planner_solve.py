@@ -1,0 +1,359 @@
+"""plan_tp, plan_even, predict and ideal_step_time on profiles built in the test."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from xronos.config import ModelConfig, small, tiny
+from xronos.errors import UserError
+from xronos.planner import (
+    SEGMENTS,
+    Plan,
+    ideal_step_time,
+    plan_even,
+    plan_tp,
+    predict,
+    solve_segment,
+)
+from xronos.planner.plan import segment_units
+from xronos.profiler.profile import CostCurve, DeviceProfile
+
+#: Seconds per unit at speed 1 (made-up but of realistic proportions: a KV group costs
+#: more than an MLP chunk, which costs more than a vocabulary chunk).
+PER_UNIT = {"attn": 0.02, "mlp": 0.004, "vocab": 0.001}
+SHARE = {"attn": 0.5, "mlp": 0.5, "vocab": 0.0}  # the planner's default replicated share
+
+
+def profile(
+    name: str,
+    speed: float,
+    *,
+    a: float = 0.0,
+    rep: float = 0.0,
+    memory: int = 0,
+    base: int = 0,
+    unit_bytes: dict[str, int] | None = None,
+    allreduce_s: float = 0.0,
+) -> DeviceProfile:
+    return DeviceProfile(
+        name=name,
+        segments={s: CostCurve(a / speed, PER_UNIT[s] / speed) for s in SEGMENTS},
+        replicated_s=rep / speed,
+        memory_bytes=memory,
+        base_bytes=base,
+        unit_bytes=unit_bytes or {},
+        allreduce_s=allreduce_s,
+        allreduces_per_step=4 if allreduce_s else 0,
+    )
+
+
+def step_of(plan: Plan) -> float:
+    return sum(max(plan.predicted_s[s]) for s in SEGMENTS)
+
+
+def test_plan_covers_the_model_and_predictions_add_up() -> None:
+    cfg = small()
+    profiles = [profile("nuc", 1.0, rep=0.05), profile("pi", 0.4, rep=0.05), profile("hub", 0.7)]
+    plan = plan_tp(cfg, profiles)
+    plan.check(cfg)  # every segment's units sum to the model's
+    assert plan.strategy == "xronos"
+    assert plan.devices == ("nuc", "pi", "hub")
+    for i, p in enumerate(profiles):
+        units = {s: plan.split(s)[i] for s in SEGMENTS}
+        # Same terms summed in another order.
+        assert sum(plan.predicted_s[s][i] for s in SEGMENTS) == pytest.approx(p.step_time(units))
+    # No replicated work before the vocabulary barrier: shares follow speed alone.
+    assert plan.vocab[0] > plan.vocab[2] > plan.vocab[1]
+
+
+@st.composite
+def clusters(draw: st.DrawFn) -> list[DeviceProfile]:
+    n = draw(st.integers(1, 5))
+    out = []
+    for i in range(n):
+        segs = {
+            s: CostCurve(draw(st.floats(0, 0.01)), PER_UNIT[s] / draw(st.floats(0.1, 1.0)))
+            for s in SEGMENTS
+        }
+        rep = draw(st.floats(0, 0.2))
+        out.append(DeviceProfile(name=f"d{i}", segments=segs, replicated_s=rep))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(clusters())
+def test_every_segment_is_optimal_and_never_worse_than_even(profiles) -> None:
+    cfg = small()
+    plan = plan_tp(cfg, profiles)
+    even = plan_even(cfg, profiles)
+    totals = segment_units(cfg, plan.mlp_chunk, plan.vocab_chunk)
+    for s in SEGMENTS:
+        assert sum(plan.split(s)) == totals[s]
+        best = solve_segment(
+            [p.segments[s] for p in profiles],
+            totals[s],
+            replicated=[p.replicated_s * SHARE[s] for p in profiles],
+        )
+        assert max(plan.predicted_s[s]) == best.makespan_s  # same solver, no memory limit
+        assert max(plan.predicted_s[s]) <= max(even.predicted_s[s])
+    assert predict(plan, profiles)["step_time_s"] <= predict(even, profiles)["step_time_s"]
+
+
+# -- memory ---------------------------------------------------------------------------------
+MICRO = ModelConfig(
+    vocab_size=24, hidden_size=8, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2
+)  # with chunks of 8: attn 2, mlp 4, vocab 3 units
+MICRO_BYTES = {"attn": 3, "mlp": 2, "vocab": 1}
+
+
+def _compositions(total: int, n: int):
+    return [c for c in itertools.product(range(total + 1), repeat=n) if sum(c) == total]
+
+
+def coupled_brute_force(profiles: list[DeviceProfile]) -> float | None:
+    """Least predicted step over every split of every segment that fits memory."""
+    totals = segment_units(MICRO, 8, 8)
+    n, best = len(profiles), None
+    per_seg = {s: _compositions(totals[s], n) for s in SEGMENTS}
+    for combo in itertools.product(*(per_seg[s] for s in SEGMENTS)):
+        units = dict(zip(SEGMENTS, combo, strict=True))
+        used = [sum(units[s][i] * MICRO_BYTES[s] for s in SEGMENTS) for i in range(n)]
+        if any(p.memory_bytes and u > p.memory_bytes for p, u in zip(profiles, used, strict=True)):
+            continue
+        step = sum(
+            max(
+                p.replicated_s * SHARE[s] + p.segments[s](units[s][i])
+                for i, p in enumerate(profiles)
+            )
+            for s in SEGMENTS
+        )
+        best = step if best is None else min(best, step)
+    return best
+
+
+@st.composite
+def tight_clusters(draw: st.DrawFn) -> list[DeviceProfile]:
+    n = draw(st.integers(2, 3))
+    coef = st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0])
+    return [
+        DeviceProfile(
+            name=f"d{i}",
+            segments={s: CostCurve(draw(coef), draw(coef)) for s in SEGMENTS},
+            replicated_s=draw(st.sampled_from([0.0, 1.0])),
+            memory_bytes=draw(st.sampled_from([0, 4, 6, 8, 10, 12])),
+            unit_bytes=MICRO_BYTES,
+        )
+        for i in range(n)
+    ]
+
+
+@settings(max_examples=120, deadline=None)
+@given(tight_clusters())
+def test_memory_is_respected_and_unbinding_memory_keeps_the_optimum(profiles) -> None:
+    best = coupled_brute_force(profiles)
+    if best is None:
+        with pytest.raises(UserError):
+            plan_tp(MICRO, profiles, mlp_chunk=8, vocab_chunk=8)
+        return
+    plan = plan_tp(MICRO, profiles, mlp_chunk=8, vocab_chunk=8)
+    for i, p in enumerate(profiles):
+        used = sum(plan.split(s)[i] * MICRO_BYTES[s] for s in SEGMENTS)
+        assert p.memory_bytes == 0 or used <= p.memory_bytes
+    assert step_of(plan) >= best - 1e-12  # nothing beats brute force (sanity of the oracle)
+    unconstrained = plan_tp(
+        MICRO, [DeviceProfile.from_dict({**p.to_dict(), "memory_bytes": 0}) for p in profiles],
+        mlp_chunk=8, vocab_chunk=8,
+    )  # fmt: skip
+    needs = [
+        sum(unconstrained.split(s)[i] * MICRO_BYTES[s] for s in SEGMENTS)
+        for i in range(len(profiles))
+    ]
+    if all(
+        p.memory_bytes == 0 or u <= p.memory_bytes for p, u in zip(profiles, needs, strict=True)
+    ):
+        # Each segment at its own optimum and it fits: the exact coupled optimum.
+        assert step_of(plan) == pytest.approx(best, rel=1e-12)
+
+
+def test_memory_finds_a_plan_on_seeded_tight_cases() -> None:
+    # A fixed sample of tight cases (every device bounded): whenever a split that fits
+    # exists, the planner must find one.
+    rng = random.Random(1234)
+    for _ in range(150):
+        profiles = [
+            DeviceProfile(
+                name=f"d{i}",
+                segments={
+                    s: CostCurve(rng.choice([0, 0.5, 1]), rng.choice([0.5, 1, 2])) for s in SEGMENTS
+                },
+                replicated_s=rng.choice([0.0, 1.0]),
+                memory_bytes=rng.randint(3, 9),
+                unit_bytes=MICRO_BYTES,
+            )
+            for i in range(rng.randint(2, 3))
+        ]
+        if coupled_brute_force(profiles) is not None:
+            plan_tp(MICRO, profiles, mlp_chunk=8, vocab_chunk=8)
+
+
+def test_tight_packing_that_speed_alone_would_miss() -> None:
+    # Equal speeds want one KV group each (3 B), but then the two MLP units (2 B each) do not
+    # fit: the only split that fits puts both groups on 'a' (6 of 7 B) and the MLP on 'b'.
+    segs = {s: CostCurve(0, 1) for s in SEGMENTS}
+    cfg = MICRO.replace(vocab_size=8, intermediate_size=16)  # attn 2, mlp 2, vocab 1
+    profiles = [
+        DeviceProfile(
+            name="a", segments=segs, replicated_s=0, memory_bytes=7, unit_bytes=MICRO_BYTES
+        ),
+        DeviceProfile(
+            name="b", segments=segs, replicated_s=0, memory_bytes=4, unit_bytes=MICRO_BYTES
+        ),
+    ]
+    plan = plan_tp(cfg, profiles, mlp_chunk=8, vocab_chunk=8)
+    for i, p in enumerate(profiles):
+        assert sum(plan.split(s)[i] * MICRO_BYTES[s] for s in SEGMENTS) <= p.memory_bytes
+    plan.check(cfg)
+
+
+def test_memory_poor_fast_device_holds_less_than_its_speed_share() -> None:
+    cfg = small()
+    mib = 2**20
+    unit_bytes = {"attn": 8 * mib, "mlp": 1 * mib, "vocab": mib // 4}
+    free = [
+        profile("fast", 1.0, unit_bytes=unit_bytes),
+        profile("slow", 0.5, unit_bytes=unit_bytes),
+    ]
+    tight = [profile("fast", 1.0, unit_bytes=unit_bytes, memory=60 * mib, base=10 * mib), free[1]]
+    loose, capped = plan_tp(cfg, free), plan_tp(cfg, tight)
+    used = sum(capped.split(s)[0] * unit_bytes[s] for s in SEGMENTS)
+    assert used <= 50 * mib < sum(loose.split(s)[0] * unit_bytes[s] for s in SEGMENTS)
+    capped.check(cfg)
+    assert step_of(capped) > step_of(loose)
+
+
+def test_device_too_small_for_one_unit_is_named() -> None:
+    cfg = MICRO.replace(intermediate_size=32, vocab_size=8)  # attn 2, mlp 4, vocab 1 units
+    ub = {"attn": 1, "mlp": 100, "vocab": 1}
+    profiles = [
+        profile("nuc", 1.0, memory=399, unit_bytes=ub),
+        profile("pi", 0.5, memory=99, unit_bytes=ub),
+    ]
+    with pytest.raises(UserError, match=r"device 'pi' has .* but one mlp unit needs .*drop it"):
+        plan_tp(cfg, profiles, mlp_chunk=8, vocab_chunk=8)
+    # If the other device can absorb the rest, the small one simply gets no MLP units.
+    profiles[0] = profile("nuc", 1.0, memory=500, unit_bytes=ub)
+    plan = plan_tp(cfg, profiles, mlp_chunk=8, vocab_chunk=8)
+    assert plan.mlp == (4, 0)
+
+
+def test_memory_errors() -> None:
+    cfg, ub = small(), {"attn": 2**20, "mlp": 2**20, "vocab": 2**20}
+    with pytest.raises(UserError, match=r"cluster has .* usable but .* need"):
+        plan_tp(
+            cfg,
+            [
+                profile("a", 1.0, memory=2**20, unit_bytes=ub),
+                profile("b", 1, memory=2**20, unit_bytes=ub),
+            ],
+        )
+    with pytest.raises(UserError, match=r"device 'a' has .* before holding any shard"):
+        plan_tp(cfg, [profile("a", 1.0, memory=100, base=200)])
+
+
+def test_more_devices_than_kv_groups() -> None:
+    cfg = tiny()  # 4 KV groups
+    profiles = [profile(f"d{i}", 1.0 - 0.1 * i) for i in range(6)]
+    plan = plan_tp(cfg, profiles)
+    plan.check(cfg)
+    assert plan.attn.count(0) >= 2 and sum(plan.attn) == 4
+    assert all(u > 0 for u in plan.mlp)
+
+
+def test_min_units() -> None:
+    cfg = tiny()
+    profiles = [profile("fast", 1.0), profile("slow", 0.05)]
+    assert plan_tp(cfg, profiles).attn == (4, 0)  # 20x slower: not worth a KV group
+    plan = plan_tp(cfg, profiles, min_units={"attn": 1})
+    assert plan.attn == (3, 1)
+    with pytest.raises(UserError, match="min_units asks every device for 3 attn units"):
+        plan_tp(cfg, profiles, min_units={"attn": 3})
+    with pytest.raises(UserError, match="unknown segment"):
+        plan_tp(cfg, profiles, min_units={"embed": 1})
+
+
+def test_bad_profiles_and_chunks() -> None:
+    cfg = tiny()
+    missing = DeviceProfile(name="x", segments={"attn": CostCurve(0, 1)}, replicated_s=0)
+    with pytest.raises(UserError, match="no 'mlp' cost curve"):
+        plan_tp(cfg, [missing])
+    bad = DeviceProfile(name="x", segments={s: CostCurve(0, -1) for s in SEGMENTS}, replicated_s=0)
+    with pytest.raises(UserError, match="decreasing cost curve"):
+        plan_tp(cfg, [bad])
+    with pytest.raises(UserError, match="no device profiles"):
+        plan_tp(cfg, [])
+    with pytest.raises(UserError, match="chunks must be"):
+        plan_tp(cfg, [profile("a", 1.0)], mlp_chunk=-8)
+    with pytest.raises(ValueError, match="replicated_share"):
+        plan_tp(cfg, [profile("a", 1.0)], replicated_share={"attn": 0.7})
+
+
+def test_deterministic_and_json_round_trip() -> None:
+    cfg = small()
+    profiles = [
+        profile("a", 1.0, a=0.001, rep=0.01),
+        profile("b", 0.4, rep=0.01),
+        profile("c", 0.4),
+    ]
+    plan = plan_tp(cfg, profiles)
+    again = plan_tp(cfg, profiles)
+    assert plan == again and plan.predicted_s == again.predicted_s
+    back = Plan.from_json(plan.to_json())
+    assert back == plan and back.predicted_s == plan.predicted_s
+    assert "pred. s/step" in plan.table() and "c" in plan.table()
+
+
+# -- predictions ----------------------------------------------------------------------------
+def test_predict_even_vs_xronos() -> None:
+    cfg = small()
+    profiles = [profile("nuc", 1.0, rep=0.02, allreduce_s=0.003), profile("pi", 0.4, rep=0.02)]
+    xr, ev = predict(plan_tp(cfg, profiles), profiles), predict(plan_even(cfg, profiles), profiles)
+    for pred in (xr, ev):
+        barriers = sum(seg["barrier_s"] for seg in pred["segments"].values())
+        assert pred["transfer_s"] == pytest.approx(0.012)  # 4 all-reduces of 3 ms
+        assert pred["step_time_s"] == pytest.approx(barriers + 0.012)
+        assert all(x >= 0 for x in pred["idle_s"])
+        assert pred["idle_ratio_max"] == max(pred["idle_ratio"])
+    assert xr["step_time_s"] < ev["step_time_s"]
+    assert xr["idle_ratio_mean"] < ev["idle_ratio_mean"] / 3  # even: nuc waits ~60% of a step
+    with pytest.raises(UserError, match="do not match"):
+        predict(plan_tp(cfg, profiles), profiles[::-1])
+
+
+def test_plan_even_is_megatron_split() -> None:
+    plan = plan_even(tiny(), ["a", "b", "c"])
+    assert plan.strategy == "tp-even" and plan.attn == (2, 1, 1) and not plan.predicted_s
+
+
+def test_ideal_of_two_identical_devices_is_half_the_solo_time() -> None:
+    cfg = small()
+    p = profile("a", 1.0, rep=0.05)
+    totals = segment_units(cfg, Plan.single(cfg).mlp_chunk, Plan.single(cfg).vocab_chunk)
+    solo = p.step_time(totals)
+    assert ideal_step_time([p, profile("b", 1.0, rep=0.05)], cfg) == pytest.approx(solo / 2)
+    assert ideal_step_time([p], cfg, transfer_s=0.5) == pytest.approx(solo + 0.5)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0.05, 1.0), min_size=1, max_size=5), st.floats(0, 0.1))
+def test_ideal_bounds_scaled_devices(speeds, rep) -> None:
+    # Devices that are scaled copies of one another (the ideal's premise): no split beats it.
+    cfg = small()
+    profiles = [profile(f"d{i}", v, a=0.001, rep=rep) for i, v in enumerate(speeds)]
+    plan_step = predict(plan_tp(cfg, profiles), profiles)["step_time_s"]
+    # Both sides sum the same per-unit costs; allow float reassociation only.
+    assert ideal_step_time(profiles, cfg) <= plan_step * (1 + 1e-9)
