@@ -29,11 +29,19 @@ def make_checkpoint(
     import transformers as tf
 
     common = dict(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=256, tie_word_embeddings=tied, rms_norm_eps=1e-6,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if rope_scaling is not None:
         common["rope_scaling"] = rope_scaling
     if arch == "llama":
@@ -56,3 +64,25 @@ def make_checkpoint(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return model
+
+
+WORDS = [
+    *("turn", "on", "off", "the", "light", "in", "kitchen", "bedroom", "set", "heat", "to"),
+    *("please", "lamp", "fan", "open", "close", "door"),
+]
+
+
+def save_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A WordLevel ``tokenizer.json`` (+ config) whose ids fit ``vocab_size``; adds BOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + WORDS)}
+    assert len(vocab) <= vocab_size
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}'
+    )

@@ -30,7 +30,7 @@ def _cfg(tied: bool, qk_norm: bool = False, bias: bool = False) -> ModelConfig:
         vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=8,
         num_kv_heads=4, tie_word_embeddings=tied, qk_norm=qk_norm, attention_bias=bias,
         head_dim=16 if qk_norm else 0,
-    )  # fmt: skip
+    )
 
 
 def _plan(cfg: ModelConfig, split: list[int]) -> Plan:
@@ -39,7 +39,7 @@ def _plan(cfg: ModelConfig, split: list[int]) -> Plan:
     return Plan(
         strategy="test", devices=p.devices, attn=tuple(split), mlp=p.mlp, vocab=p.vocab,
         mlp_chunk=8, vocab_chunk=8,
-    )  # fmt: skip
+    )
 
 
 def _forward_backward(ctx: WorkerContext, arg: tuple) -> dict:
@@ -92,7 +92,7 @@ def _full_shape(name: str, cfg: ModelConfig, lora: LoRAConfig) -> tuple[int, int
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     out = {"q_proj": cfg.num_heads * d, "k_proj": cfg.num_kv_heads * d,
            "v_proj": cfg.num_kv_heads * d, "o_proj": h, "gate_proj": i, "up_proj": i,
-           "down_proj": h}  # fmt: skip
+           "down_proj": h}
     module = name.split(".")[-3]
     return (out[module], lora.r)
 

@@ -27,7 +27,7 @@ PARAM_RTOL = 1e-4
 CFG = ModelConfig(
     vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
     num_kv_heads=2, tie_word_embeddings=True,
-)  # fmt: skip
+)
 
 
 def _job(cfg: ModelConfig, plan: Plan, lora: LoRAConfig | None, steps: int = 20) -> TrainJob:

@@ -76,9 +76,10 @@ def test_chat_gets_no_bos_beyond_what_its_template_writes() -> None:
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
     )
     tok = Tokenizer(
-        builtin.backend, special_tokens={"bos": "<bos>", "eos": "<eos>"},
+        builtin.backend,
+        special_tokens={"bos": "<bos>", "eos": "<eos>"},
         chat_template=no_bos_template,
-    )  # fmt: skip
+    )
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     (ids,) = tokenize([chat_example(messages, "x:1", tok)], tok, 32).input_ids
     assert tok.bos_id == 1 and 1 not in ids

@@ -109,8 +109,9 @@ def test_exact_match_ignores_whitespace_only() -> None:
 
 def test_parse_action() -> None:
     assert parse_action(" set(device=light, room=hall, value=30)") == (
-        "set", {"device": "light", "room": "hall", "value": "30"},
-    )  # fmt: skip
+        "set",
+        {"device": "light", "room": "hall", "value": "30"},
+    )
     assert parse_action("lock()") == ("lock", {})
     for bad in ("set(device=light", "set(device)", "set(=x)", "turn on the light"):
         assert parse_action(bad) is None

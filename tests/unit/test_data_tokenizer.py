@@ -55,9 +55,10 @@ def make_model_dir(path: Path, config: Mapping[str, object], **files: str) -> Pa
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS,
+        vocab_size=400,
+        special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     corpus = [m["content"] for m in MESSAGES] * 20 + ["the quick brown fox jumps"] * 5
     tok.train_from_iterator(corpus, trainer)
     path.mkdir(parents=True, exist_ok=True)

@@ -166,9 +166,11 @@ def test_memory_is_respected_and_unbinding_memory_keeps_the_optimum(profiles) ->
         assert p.memory_bytes == 0 or used <= p.memory_bytes
     assert step_of(plan) >= best - 1e-12  # nothing beats brute force (sanity of the oracle)
     unconstrained = plan_tp(
-        MICRO, [DeviceProfile.from_dict({**p.to_dict(), "memory_bytes": 0}) for p in profiles],
-        mlp_chunk=8, vocab_chunk=8,
-    )  # fmt: skip
+        MICRO,
+        [DeviceProfile.from_dict({**p.to_dict(), "memory_bytes": 0}) for p in profiles],
+        mlp_chunk=8,
+        vocab_chunk=8,
+    )
     needs = [
         sum(unconstrained.split(s)[i] * MICRO_BYTES[s] for s in SEGMENTS)
         for i in range(len(profiles))

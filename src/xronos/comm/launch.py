@@ -95,6 +95,7 @@ def _worker_main(
     try:
         if slot is not None:
             slot.enter()
+        _warm_imports()
         group = init_gloo(rank, world, host, port, timeout_s) if world > 1 else TPGroup()
         ctx = WorkerContext(rank, world, devices[rank], group, timeout_s, devices, results)
         # Pickled by value here: torch's queue reducers would pass tensors by shared file
@@ -110,6 +111,16 @@ def _worker_main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _warm_imports() -> None:
+    """Import what torch imports lazily on first use: building a model on the meta device
+    (reference ops) and the first optimizer (the compiler stack) cost seconds each on a
+    slow device. Paid at start-up, so that no measurement includes them."""
+    import torch
+    import torch._refs
+
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
 def _first_line(e: BaseException) -> str:
@@ -150,20 +161,24 @@ def launch(
     sock = _bound_loopback_socket(host)
     port = sock.getsockname()[1]
     store = dist.TCPStore(  # takes ownership of the bound socket's descriptor
-        host, port, world, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False, master_listen_fd=sock.detach(),
-    )  # fmt: skip
+        host,
+        port,
+        world,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
     procs = []
     try:
         for rank in range(world):
             slot = slots[rank] if slots is not None else None
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, devices, host, port, fn, args[rank], results, slot,
-                      timeout_s),
+                args=(rank, devices, host, port, fn, args[rank], results, slot, timeout_s),
                 name=f"xronos-{devices[rank]}",
                 daemon=False,
-            )  # fmt: skip
+            )
             p.start()
             procs.append(p)
             if on_start is not None and p.pid is not None:

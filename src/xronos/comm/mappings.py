@@ -31,6 +31,9 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     pg: dist.ProcessGroup | None = None
+    dry: bool = False
+    """Skip the communication but keep shapes and records: used to time the compute of a
+    step in isolation (the computation-stall measurement). Results are then wrong."""
 
     @classmethod
     def from_default(cls) -> TPGroup:
@@ -43,7 +46,8 @@ class TPGroup:
         if self.size == 1:
             return
         with current_recorder().collective(name):
-            dist.all_reduce(t, op=op, group=self.pg)
+            if not self.dry:
+                dist.all_reduce(t, op=op, group=self.pg)
 
     def all_gather(self, t: torch.Tensor, name: str) -> list[torch.Tensor]:
         """All-gather of equal-shaped tensors (gloo requires equal sizes on every rank)."""
@@ -51,7 +55,10 @@ class TPGroup:
             return [t]
         out = [torch.empty_like(t) for _ in range(self.size)]
         with current_recorder().collective(name):
-            dist.all_gather(out, t.contiguous(), group=self.pg)
+            if self.dry:
+                out = [t.clone() for _ in range(self.size)]
+            else:
+                dist.all_gather(out, t.contiguous(), group=self.pg)
         return out
 
 

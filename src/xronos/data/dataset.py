@@ -70,10 +70,12 @@ class TokenizedDataset:
     def subset(self, indices: Sequence[int]) -> TokenizedDataset:
         """The examples at ``indices`` (counts of the whole are not carried over)."""
         return TokenizedDataset(
-            [self.input_ids[i] for i in indices], [self.labels[i] for i in indices],
-            self.seq_len, [self.sources[i] for i in indices] if self.sources else [],
+            [self.input_ids[i] for i in indices],
+            [self.labels[i] for i in indices],
+            self.seq_len,
+            [self.sources[i] for i in indices] if self.sources else [],
             num_examples=len(indices),
-        )  # fmt: skip
+        )
 
     def summary(self) -> str:
         """One line for the run log."""
@@ -82,11 +84,12 @@ class TokenizedDataset:
         extras = [
             f"{n} {what}"
             for n, what in (
-                (self.num_truncated, "truncated"), (self.num_dropped, "dropped as too long"),
+                (self.num_truncated, "truncated"),
+                (self.num_dropped, "dropped as too long"),
                 (self.num_no_target, "dropped with nothing to train on"),
             )
             if n
-        ]  # fmt: skip
+        ]
         return line + (f"; {', '.join(extras)}" if extras else "")
 
 
@@ -319,9 +322,12 @@ class Batcher:
 
     def state_dict(self) -> dict[str, int]:
         return {
-            "epoch": self.epoch, "position": self.position, "seed": self.seed,
-            "num_examples": len(self.dataset), "batch_size": self.batch_size,
-        }  # fmt: skip
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_examples": len(self.dataset),
+            "batch_size": self.batch_size,
+        }
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Continue from ``state``; it must come from the same data, seed and batch size."""

@@ -62,22 +62,33 @@ THERMOSTAT = {"thermostat": ("thermostat",)}
 AUDIO = {"speaker": ("speaker",), "tv": ("tv", "television")}
 OPENABLE = {"blinds": ("blinds", "shades"), "curtains": ("curtains",), "window": ("window",)}
 DOORS = {
-    "front_door": ("front door",), "back_door": ("back door",), "side_door": ("side door",),
-    "garage_door": ("garage door",), "gate": ("gate", "garden gate"),
-}  # fmt: skip
+    "front_door": ("front door",),
+    "back_door": ("back door",),
+    "side_door": ("side door",),
+    "garage_door": ("garage door",),
+    "gate": ("gate", "garden gate"),
+}
 
 TURN_ON = (
-    "turn on the {room} {device}", "turn the {device} in the {room} on",
-    "switch on the {device} in the {room}", "switch the {room} {device} on",
-    "power up the {room} {device}", "{room} {device} on",
-    "i want the {device} on in the {room}", "put the {room} {device} on",
-)  # fmt: skip
+    "turn on the {room} {device}",
+    "turn the {device} in the {room} on",
+    "switch on the {device} in the {room}",
+    "switch the {room} {device} on",
+    "power up the {room} {device}",
+    "{room} {device} on",
+    "i want the {device} on in the {room}",
+    "put the {room} {device} on",
+)
 TURN_OFF = (
-    "turn off the {room} {device}", "turn the {device} in the {room} off",
-    "switch off the {device} in the {room}", "shut off the {room} {device}",
-    "power down the {device} in the {room}", "{room} {device} off",
-    "i want the {device} off in the {room}", "kill the {room} {device}",
-)  # fmt: skip
+    "turn off the {room} {device}",
+    "turn the {device} in the {room} off",
+    "switch off the {device} in the {room}",
+    "shut off the {room} {device}",
+    "power down the {device} in the {room}",
+    "{room} {device} off",
+    "i want the {device} off in the {room}",
+    "kill the {room} {device}",
+)
 
 
 @dataclass(frozen=True)
@@ -96,55 +107,155 @@ class Intent:
 INTENTS = (
     Intent("turn_on", "turn_on", TURN_ON, SWITCHABLE, weight=3),
     Intent("turn_off", "turn_off", TURN_OFF, SWITCHABLE, weight=3),
-    Intent("brightness", "set", (
-        "dim the {room} {device} to {value} percent", "set the {device} in the {room} to {value}%",
-        "{room} {device} at {value} percent", "brightness of the {room} {device} to {value}",
-        "make the {device} in the {room} {value} percent bright",
-    ), LIGHTS, values=tuple(range(10, 101, 10)), weight=1.5),
-    Intent("temperature", "set", (
-        "set the {room} {device} to {value} degrees", "make it {value} degrees in the {room}",
-        "heat the {room} to {value}", "{room} temperature {value}",
-        "change the {device} in the {room} to {value}", "i want {value} degrees in the {room}",
-    ), THERMOSTAT, values=tuple(range(16, 29)), weight=1.5),
-    Intent("volume", "set", (
-        "set the {room} {device} volume to {value}", "volume {value} on the {device} in the {room}",
-        "turn the {room} {device} to volume {value}",
-    ), AUDIO, values=tuple(range(10, 101, 10))),
-    Intent("open", "open", (
-        "open the {room} {device}", "open the {device} in the {room}",
-        "open up the {room} {device}", "{room} {device} open",
-    ), OPENABLE),
-    Intent("close", "close", (
-        "close the {room} {device}", "close the {device} in the {room}",
-        "shut the {room} {device}", "{room} {device} closed",
-    ), OPENABLE),
-    Intent("lock", "lock", (
-        "lock the {device}", "make sure the {device} is locked", "secure the {device}",
-        "lock up the {device}", "lock the {device} for the night",
-    ), DOORS, rooms=False, weight=0.5),
-    Intent("unlock", "unlock", (
-        "unlock the {device}", "open the lock on the {device}", "{device} unlock",
-        "unbolt the {device}", "let me in through the {device}",
-    ), DOORS, rooms=False, weight=0.5),
-)  # fmt: skip
+    Intent(
+        "brightness",
+        "set",
+        (
+            "dim the {room} {device} to {value} percent",
+            "set the {device} in the {room} to {value}%",
+            "{room} {device} at {value} percent",
+            "brightness of the {room} {device} to {value}",
+            "make the {device} in the {room} {value} percent bright",
+        ),
+        LIGHTS,
+        values=tuple(range(10, 101, 10)),
+        weight=1.5,
+    ),
+    Intent(
+        "temperature",
+        "set",
+        (
+            "set the {room} {device} to {value} degrees",
+            "make it {value} degrees in the {room}",
+            "heat the {room} to {value}",
+            "{room} temperature {value}",
+            "change the {device} in the {room} to {value}",
+            "i want {value} degrees in the {room}",
+        ),
+        THERMOSTAT,
+        values=tuple(range(16, 29)),
+        weight=1.5,
+    ),
+    Intent(
+        "volume",
+        "set",
+        (
+            "set the {room} {device} volume to {value}",
+            "volume {value} on the {device} in the {room}",
+            "turn the {room} {device} to volume {value}",
+        ),
+        AUDIO,
+        values=tuple(range(10, 101, 10)),
+    ),
+    Intent(
+        "open",
+        "open",
+        (
+            "open the {room} {device}",
+            "open the {device} in the {room}",
+            "open up the {room} {device}",
+            "{room} {device} open",
+        ),
+        OPENABLE,
+    ),
+    Intent(
+        "close",
+        "close",
+        (
+            "close the {room} {device}",
+            "close the {device} in the {room}",
+            "shut the {room} {device}",
+            "{room} {device} closed",
+        ),
+        OPENABLE,
+    ),
+    Intent(
+        "lock",
+        "lock",
+        (
+            "lock the {device}",
+            "make sure the {device} is locked",
+            "secure the {device}",
+            "lock up the {device}",
+            "lock the {device} for the night",
+        ),
+        DOORS,
+        rooms=False,
+        weight=0.5,
+    ),
+    Intent(
+        "unlock",
+        "unlock",
+        (
+            "unlock the {device}",
+            "open the lock on the {device}",
+            "{device} unlock",
+            "unbolt the {device}",
+            "let me in through the {device}",
+        ),
+        DOORS,
+        rooms=False,
+        weight=0.5,
+    ),
+)
 SCHEDULE_WEIGHT = 2.0
 SCHEDULE_PLACEMENTS = ("{command} at {time}", "at {time}, {command}", "at {time} {command}")
 
 PREFIXES = (
-    "", "", "", "please ", "could you ", "can you ", "would you please ", "hey, ", "kindly ",
-)  # fmt: skip
+    "",
+    "",
+    "",
+    "please ",
+    "could you ",
+    "can you ",
+    "would you please ",
+    "hey, ",
+    "kindly ",
+)
 #: Prefixes for commands that do not open with a verb ("{room} {device} on", "at 7 pm, ...").
 PLAIN_PREFIXES = ("", "", "", "hey, ", "please, ")
 SUFFIXES = ("", "", "", " please", " thanks", " now", " for me", " thank you")
-VERBS = frozenset((
-    "turn", "switch", "power", "put", "shut", "kill", "dim", "set", "make", "heat", "change",
-    "open", "close", "lock", "unlock", "secure", "unbolt", "let",
-))  # fmt: skip
+VERBS = frozenset(
+    (
+        "turn",
+        "switch",
+        "power",
+        "put",
+        "shut",
+        "kill",
+        "dim",
+        "set",
+        "make",
+        "heat",
+        "change",
+        "open",
+        "close",
+        "lock",
+        "unlock",
+        "secure",
+        "unbolt",
+        "let",
+    )
+)
 #: Filler words that may get a typo: none of them decides the action.
-TYPO_WORDS = frozenset((
-    "please", "could", "would", "kindly", "thanks", "thank", "turn", "switch", "power", "want",
-    "make", "sure", "the", "you",
-))  # fmt: skip
+TYPO_WORDS = frozenset(
+    (
+        "please",
+        "could",
+        "would",
+        "kindly",
+        "thanks",
+        "thank",
+        "turn",
+        "switch",
+        "power",
+        "want",
+        "make",
+        "sure",
+        "the",
+        "you",
+    )
+)
 TYPO_RATE = 0.15
 
 

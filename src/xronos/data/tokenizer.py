@@ -120,9 +120,12 @@ class Tokenizer:
                 self._template = _environment().from_string(self.chat_template)
             specials = {f"{k}_token": self.token(k) for k in SPECIAL_KEYS}
             return self._template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt,
-                tools=None, documents=None, **specials,
-            )  # fmt: skip
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **specials,
+            )
         except jinja2.TemplateError as e:
             raise UserError(f"chat template: {e}") from e
 
@@ -155,9 +158,12 @@ def _raise(message: str) -> NoReturn:
 
 
 def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None,
-    separators: tuple[str, str] | None = None, sort_keys: bool = False,
-) -> str:  # fmt: skip
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -233,9 +239,12 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         if isinstance(value, int):
             ids[key] = value
     return Tokenizer(
-        backend, special_tokens=tokens, special_ids=ids,
-        chat_template=_chat_template(model_dir, config), name=str(model_dir),
-    )  # fmt: skip
+        backend,
+        special_tokens=tokens,
+        special_ids=ids,
+        chat_template=_chat_template(model_dir, config),
+        name=str(model_dir),
+    )
 
 
 def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:

@@ -61,6 +61,17 @@ class ModelSource:
     lora: LoRAConfig | None = None
     """Adapters, or None for full fine-tuning."""
 
+    @classmethod
+    def from_name(cls, model: str, seed: int = 0, lora: LoRAConfig | None = None) -> ModelSource:
+        """A preset name or a Hugging Face directory -> where the weights come from."""
+        from pathlib import Path
+
+        from xronos.config import resolve_model_config
+
+        cfg = resolve_model_config(model)
+        model_dir = str(Path(model).resolve()) if Path(model).is_dir() else None
+        return cls(cfg=cfg, model_dir=model_dir, seed=seed, lora=lora)
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainJob:

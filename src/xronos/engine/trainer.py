@@ -112,10 +112,18 @@ class Trainer:
             offset += g.numel()
 
     def _clip(self) -> float:
-        sq = torch.zeros(1, dtype=torch.float64)
-        for p, w in zip(self.params, self.norm_weight, strict=True):
-            if p.grad is not None and w:
-                sq += p.grad.detach().double().pow(2).sum()
+        grads = [
+            p.grad.detach()
+            for p, w in zip(self.params, self.norm_weight, strict=True)
+            if p.grad is not None and w
+        ]
+        # Per-tensor norms in fp32 (one fused pass), their squares summed in fp64.
+        norms = list(torch._foreach_norm(grads)) if grads else []
+        sq = (
+            torch.stack(norms).double().pow(2).sum().reshape(1)
+            if norms
+            else torch.zeros(1, dtype=torch.float64)
+        )
         self.group.all_reduce(sq, "grads.norm")
         norm = float(sq.sqrt())
         max_norm = self.opt_cfg.max_grad_norm

@@ -187,9 +187,11 @@ class LMHead(nn.Module):
     def loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(h).float()
         return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-            ignore_index=-100, reduction="sum",
-        )  # fmt: skip
+            logits.reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
 
     def greedy(self, h: torch.Tensor) -> torch.Tensor:
         """(B, H) hidden states -> (B,) argmax token ids."""

@@ -9,10 +9,19 @@ The flow (DESIGN §2): ``Plan -> build_model(cfg, plan, group, source) -> engine
    reads only its slices).
 3. The ``enter``/``exit`` seams of every block become ``copy_to_tp``/``reduce_from_tp``,
    and the LM head (and, if tied, the embedding) becomes vocab-parallel.
+
+A pipeline stage (``layers=(a, b)``, ``embed=``, ``head=``) materialises only its decoder
+layers ``[a, b)`` and, if asked, the embedding and/or the final norm + LM head; the parts
+other stages hold become :class:`Absent` (no parameters), so parameter names stay Hugging
+Face's. Preset values are still drawn for every parameter in order, so a stage holds exactly
+the values the single-device model holds. With tied embeddings a head stage also holds the
+embedding matrix (its LM head weight).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
@@ -29,6 +38,21 @@ from xronos.model.safetensors_io import SafetensorsReader
 from xronos.parallel.spec import ShardSpec, shard_spec
 from xronos.parallel.vocab import VocabParallelEmbedding, VocabParallelHead
 from xronos.planner.plan import Plan
+
+
+@contextlib.contextmanager
+def _skip_init() -> Iterator[None]:
+    """Construct modules without running ``nn.init`` (their values are set afterwards;
+    initialising meta tensors is wasted work that also costs a slow first call)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "trunc_normal_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
 
 
 def _preset_tensor(name: str, shape: torch.Size, gen: torch.Generator, std: float) -> torch.Tensor:
@@ -53,6 +77,39 @@ def _set_param(model: nn.Module, name: str, value: torch.Tensor, trainable: bool
         owner.out_features, owner.in_features = value.shape
 
 
+class Absent(nn.Module):
+    """A part of the model that another pipeline stage holds: no parameters, cannot run."""
+
+    def forward(self, *args: object) -> torch.Tensor:
+        raise RuntimeError("this part of the model is held by another pipeline stage")
+
+
+def stage_holds(
+    name: str, cfg: ModelConfig, layers: tuple[int, int], embed: bool, head: bool
+) -> bool:
+    """Whether a pipeline stage materialises parameter ``name``."""
+    if name.startswith("model.layers."):
+        return layers[0] <= int(name.split(".")[2]) < layers[1]
+    if name.startswith("model.embed_tokens."):
+        return embed or (head and cfg.tie_word_embeddings)
+    return head  # model.norm.*, lm_head.*
+
+
+def _drop_absent(
+    model: LlamaForCausalLM, cfg: ModelConfig, layers: tuple[int, int], embed: bool, head: bool
+) -> None:
+    """Replace the parts this stage does not hold (still on ``meta``) by :class:`Absent`."""
+    for i in range(cfg.num_layers):
+        if not layers[0] <= i < layers[1]:
+            model.model.layers[i] = Absent()
+    if not (embed or (head and cfg.tie_word_embeddings)):
+        model.model.embed_tokens = Absent()  # type: ignore[assignment]
+    if not head:
+        model.model.norm = Absent()  # type: ignore[assignment]
+        model.lm_head = Absent()  # type: ignore[assignment]
+        model.head = Absent()  # type: ignore[assignment]
+
+
 def build_model(
     cfg: ModelConfig,
     plan: Plan,
@@ -63,6 +120,9 @@ def build_model(
     lora: LoRAConfig | None = None,
     dtype: torch.dtype = torch.float32,
     init_std: float = 0.02,
+    layers: tuple[int, int] | None = None,
+    embed: bool = True,
+    head: bool = True,
 ) -> LlamaForCausalLM:
     """This rank's shard of the model, ready to train or generate.
 
@@ -74,11 +134,19 @@ def build_model(
         seed: master-weight seed for presets and the LoRA initialisation seed.
         lora: adapter config; None = full fine-tuning (every parameter trainable).
         dtype: dtype of the base weights (LoRA adapters are always fp32).
+        layers: pipeline stage: hold only decoder layers ``[start, end)`` (None = all).
+        embed: pipeline stage: hold the token embedding.
+        head: pipeline stage: hold the final norm and the LM head (and, if tied, the
+            embedding matrix it shares).
     """
     if plan.world_size != group.size:
         raise ValueError(f"plan has {plan.world_size} devices but the group has {group.size}")
     plan.check(cfg)
-    with torch.device("meta"):
+    stage = layers is not None or not embed or not head
+    if stage and group.size > 1:
+        raise ValueError("a pipeline stage is built on one device (a TP group of size 1)")
+    held = layers if layers is not None else (0, cfg.num_layers)
+    with torch.device("meta"), _skip_init():
         model = LlamaForCausalLM(cfg)
     model.rotary = RotaryEmbedding(cfg)  # a buffer computed from the config, not loaded
     if lora is not None:
@@ -89,11 +157,16 @@ def build_model(
     try:
         for name, p in list(model.named_parameters()):
             spec = shard_spec(name, cfg, plan, group.rank)
+            keep = not stage or stage_holds(name, cfg, held, embed, head)
             if ".lora_" in name:
                 full = torch.zeros(p.shape)
                 if ".lora_A." in name:
-                    lora_init(full, lora_gen)
-                _set_param(model, name, _take(full, spec), trainable=True)
+                    lora_init(full, lora_gen)  # drawn even when not kept: same stream
+                if keep:
+                    _set_param(model, name, _take(full, spec), trainable=True)
+            elif not keep:
+                if reader is None:  # advance the preset stream past this tensor
+                    _preset_tensor(name, p.shape, base_gen, init_std)
             elif reader is not None:
                 t = _read(reader, name, spec)
                 want = list(_take(torch.empty(p.shape, device="meta"), spec).shape)
@@ -109,7 +182,9 @@ def build_model(
     finally:
         if reader is not None:
             reader.close()
-    if cfg.tie_word_embeddings:
+    if stage:
+        _drop_absent(model, cfg, held, embed, head)
+    if cfg.tie_word_embeddings and head:
         model.lm_head.weight = model.model.embed_tokens.weight
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):

@@ -1,0 +1,7 @@
+"""``python -m xronos`` == ``xronos``."""
+
+import sys
+
+from xronos.cli import main
+
+sys.exit(main())

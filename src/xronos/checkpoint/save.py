@@ -1,0 +1,164 @@
+"""Writing a checkpoint collectively and atomically.
+
+Every rank of the group calls :func:`save_checkpoint` at the same point of training::
+
+    rank 0's pid ──all-reduce──► every rank: staging dir  <ckpt>.tmp-<pid>
+    rank 0: create it                               ─┐
+    each rank: write + fsync rank<r>.safetensors     │ each phase ends in an all-reduce of
+    rank 0: write + fsync index.json, meta.json      │ a failure flag: a failure anywhere
+    rank 0: rename staging dir -> <ckpt>, COMPLETE  ─┘ stops every rank (no one hangs)
+
+A crash at any point leaves either no ``<ckpt>`` or one without ``COMPLETE``; both are
+ignored by :func:`~xronos.checkpoint.latest_checkpoint`. All ranks must see the same
+filesystem (one host, or a shared mount for a multi-host run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+
+from xronos.comm.mappings import TPGroup
+from xronos.config import ModelConfig
+from xronos.errors import UserError
+from xronos.model.llama import LlamaForCausalLM
+from xronos.planner.plan import Plan
+from xronos.utils import atomic_write_text
+
+from .atomic import fsync_dir, fsync_file, replace_dir, staging_path
+from .layout import COMPLETE, FORMAT, INDEX, META, VERSION, rank_file, write_json
+from .state import (
+    RankState,
+    base_dtype,
+    base_fingerprint,
+    collect,
+    config_dict,
+    config_hash,
+    describe_lora,
+)
+
+if TYPE_CHECKING:
+    from xronos.engine.trainer import Trainer
+
+
+def save_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    *,
+    model: LlamaForCausalLM,
+    trainer: Trainer,
+    cfg: ModelConfig,
+    plan: Plan,
+    group: TPGroup,
+    extra: dict[str, Any],
+) -> None:
+    """Write this group's training state to ``ckpt_dir``; collective, every rank calls it.
+
+    Args:
+        ckpt_dir: the checkpoint directory to create (replaced if it exists), usually
+            :func:`~xronos.checkpoint.checkpoint_path` ``(run_dir, trainer.steps_done)``.
+        model, trainer: this rank's shard and its optimizer.
+        cfg, plan, group: the model shape, the Plan the shard was built with, the group.
+        extra: JSON-serialisable caller state (model source, data position, ...), returned
+            by :func:`~xronos.checkpoint.load_checkpoint`. Rank 0's copy is written.
+    Raises:
+        UserError: the checkpoint could not be written (disk full, no permission).
+    """
+    final = Path(ckpt_dir)
+    extra_text = json.dumps(extra)  # fail early, on every rank alike, if not JSON
+    local = collect(model, trainer.optimizer, cfg, plan, group.rank)
+    fingerprint = base_fingerprint(model, cfg, plan, group)
+    pid = torch.tensor([os.getpid() if group.rank == 0 else 0], dtype=torch.int64)
+    group.all_reduce(pid, "ckpt.pid")
+    staged = staging_path(final, int(pid.item()))
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": trainer.steps_done,
+        "world_size": group.size,
+        "plan": plan.to_dict(),
+        "model_config": config_dict(cfg),
+        "config_hash": config_hash(cfg),
+        "lora": describe_lora(model),
+        "base": {"dtype": base_dtype(model), "fingerprint": fingerprint},
+        "extra": json.loads(extra_text),
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+    def cleanup() -> None:
+        if group.rank == 0:
+            shutil.rmtree(staged, ignore_errors=True)
+
+    lead = group.rank == 0
+    _phase(group, final, "ckpt.prepare", lambda: _prepare(final, staged) if lead else None, cleanup)
+    _phase(group, final, "ckpt.write", lambda: _write(staged, group.rank, local, meta), cleanup)
+    _phase(
+        group, final, "ckpt.commit", lambda: _commit(staged, final, meta) if lead else None, cleanup
+    )
+
+
+def _phase(
+    group: TPGroup, final: Path, name: str, fn: Callable[[], None], cleanup: Callable[[], None]
+) -> None:
+    """Run ``fn`` on this rank, then agree with the others on whether all succeeded."""
+    error: Exception | None = None
+    try:
+        fn()
+    except Exception as e:
+        error = e
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    group.all_reduce(failed, name)
+    if error is None and failed.item() == 0:
+        return
+    cleanup()
+    if isinstance(error, OSError):
+        raise UserError(
+            f"could not write checkpoint {final}: {error.strerror or error} "
+            f"({error.filename or final}); free disk space or fix the run directory's permissions"
+        ) from error
+    if error is not None:
+        raise error
+    raise RuntimeError(f"checkpoint {final}: another rank failed while writing it")
+
+
+def _prepare(final: Path, staged: Path) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f"{final.name}.tmp-*"):  # left by a killed run
+        shutil.rmtree(stale, ignore_errors=True)
+    staged.mkdir()
+
+
+def _write(staged: Path, rank: int, local: RankState, meta: dict[str, Any]) -> None:
+    path = staged / rank_file(rank)
+    save_file(local.tensors, str(path), metadata={"format": "pt", "xronos": FORMAT})
+    fsync_file(path)
+    if rank != 0:
+        return
+    index = {
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": meta["world_size"],
+        "tensors": {k: v.to_json() for k, v in local.layouts.items()},
+        "params": local.params,
+    }
+    for name, data in ((INDEX, index), (META, meta)):
+        write_json(staged / name, data)
+        fsync_file(staged / name)
+
+
+def _commit(staged: Path, final: Path, meta: dict[str, Any]) -> None:
+    sizes = {f.name: f.stat().st_size for f in sorted(staged.iterdir())}
+    missing = [rank_file(r) for r in range(meta["world_size"]) if rank_file(r) not in sizes]
+    if missing:
+        raise RuntimeError(f"checkpoint {final}: {', '.join(missing)} not written")
+    replace_dir(staged, final)
+    marker = {"step": meta["step"], "files": sizes}
+    atomic_write_text(final / COMPLETE, json.dumps(marker, indent=1) + "\n")
+    fsync_dir(final)

@@ -1,0 +1,42 @@
+"""Argument helpers shared by the sub-commands."""
+
+from __future__ import annotations
+
+import argparse
+
+from xronos.engine.job import ModelSource
+from xronos.errors import UserError
+
+
+def parse_shares(text: str | None, devices: int) -> list[float]:
+    """``"2,1,1"`` -> [2.0, 1.0, 1.0]; one entry per device, each a positive number."""
+    if devices < 1:
+        raise UserError(f"--devices must be at least 1, got {devices}")
+    if text is None:
+        return [1.0] * devices
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        shares = [float(p) for p in parts]
+    except ValueError:
+        raise UserError(f"--shares {text!r}: expected comma-separated numbers like 2,1,1") from None
+    if len(shares) != devices:
+        raise UserError(
+            f"--shares has {len(shares)} entries but --devices is {devices}; "
+            "give one share per device"
+        )
+    if any(not s > 0 for s in shares):
+        raise UserError(f"--shares {text!r}: every share must be a positive number")
+    return shares
+
+
+def model_source(model: str, seed: int = 0) -> ModelSource:
+    return ModelSource.from_name(model, seed)
+
+
+def add_model_arg(p: argparse.ArgumentParser, default: str | None = "tiny") -> None:
+    p.add_argument(
+        "--model",
+        default=default,
+        required=default is None,
+        help="preset name (tiny, small) or Hugging Face model directory (default: %(default)s)",
+    )

@@ -1,0 +1,9 @@
+"""``xronos export``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    pass

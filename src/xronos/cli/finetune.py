@@ -1,0 +1,90 @@
+"""``xronos finetune``: the product — fine-tune across the devices, evaluate, save.
+
+With no arguments it runs the embedded default: the ``tiny`` preset on the built-in
+smart-home data set across an emulated heterogeneous cluster sized to this host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+from xronos.errors import UserError
+from xronos.runconfig import RunConfig, build_config, config_fields, field_docs, load_toml
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune a model across (emulated) devices",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", help="TOML file with any of the options below ([finetune] table)")
+    docs = field_docs()
+    hints = typing.get_type_hints(RunConfig)
+    for f in config_fields():
+        _add_flag(p, f, hints[f.name], docs.get(f.name, ""))
+    p.set_defaults(run=run)
+
+
+def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field[Any], hint: Any, doc: str) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    default = f.default if f.default is not dataclasses.MISSING else "[]"
+    text = f"{doc} (default: {default})" if default not in ("", None) else doc
+    text = text.replace("%", "%%")
+    if hint in (bool, bool | None):
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+    elif typing.get_origin(hint) is list:
+        p.add_argument(flag, nargs="+", default=None, metavar="PATH", help=text)
+    else:
+        kind = next((t for t in typing.get_args(hint) or (hint,) if t is not type(None)), str)
+        p.add_argument(flag, type=kind, default=None, help=text)
+
+
+def run(args: argparse.Namespace) -> int:
+    from xronos.engine.report import RunMonitor
+    from xronos.engine.run import (
+        accuracy,
+        launch_job,
+        prepare,
+        resume_job,
+        saved_config,
+        write_config,
+    )
+
+    flags = {f.name: getattr(args, f.name) for f in config_fields()}
+    base = load_toml(args.config) if args.config else {}
+    if flags.get("resume"):
+        base = saved_config(flags["resume"]) | base
+    cfg = build_config(base, flags)
+    prep = resume_job(cfg) if cfg.resume else prepare(cfg)
+    for line in prep.notes:
+        print(line)
+    print(
+        f"model {cfg.model}: {prep.source.cfg.num_parameters() / 1e6:.1f} M parameters, "
+        f"{'LoRA r=' + str(prep.source.lora.r) if prep.source.lora else 'full fine-tuning'}; "
+        f"strategy {cfg.strategy}; {prep.job.steps} steps; run directory {prep.run_dir}"
+    )
+    write_config(prep)
+    monitor = RunMonitor(
+        prep.run_dir,
+        prep.job.steps,
+        lambda generated: accuracy(prep.tokenizer, generated, prep.eval_refs),
+        tensorboard=cfg.tensorboard,
+    )
+    try:
+        results = launch_job(prep, monitor.on_event)
+    except KeyboardInterrupt:
+        monitor.finish({"step": monitor.losses[-1][0] if monitor.losses else 0})
+        raise
+    summary = monitor.finish(results[0])
+    print()
+    print(summary)
+    if results[0].get("stopped"):
+        raise UserError(
+            f"stopped at step {results[0]['step']}; resume with --resume {prep.run_dir}"
+        )
+    return 0

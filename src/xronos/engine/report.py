@@ -1,0 +1,192 @@
+"""What a fine-tuning run shows and leaves behind: progress, metrics.jsonl, the summary.
+
+``RunMonitor.on_event`` receives rank 0's events (plan, step, eval, checkpoint); at the
+end ``finish`` writes ``summary.md``, ``loss.png``, ``timeline.png`` and ``trace.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from xronos.metrics import MetricsWriter, analyze_step, write_trace
+from xronos.metrics.records import StepRecord
+from xronos.planner.plan import Plan
+from xronos.utils import atomic_write_text
+
+TRACE_STEPS = 3  # the last steps kept for trace.json and the timeline
+
+
+class RunMonitor:
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        score: Callable[[list[list[int]]], float | None],
+        tensorboard: bool = False,
+        out: Any = None,
+    ) -> None:
+        self.run_dir, self.total, self.score = run_dir, total_steps, score
+        self.out = out or sys.stdout
+        self.metrics = MetricsWriter(run_dir / "metrics.jsonl")
+        self.losses: list[tuple[int, float]] = []
+        self.evals: list[dict[str, Any]] = []
+        self.idle: list[list[float]] = []
+        self.tokens = 0
+        self.train_s = 0.0
+        self.last_t: float | None = None
+        self.records: list[list[StepRecord]] = []
+        self.plan: Plan | None = None
+        self.plan_s: float | None = None
+        self.devices: list[str] = []
+        self.checkpoint: str | None = None
+        self.every = max(1, total_steps // 20)
+        self.tb = _tensorboard(run_dir) if tensorboard else None
+        self.started = time.perf_counter()
+
+    def say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    def on_event(self, rank: int, ev: dict[str, Any]) -> None:
+        kind = ev.get("kind")
+        if kind == "plan":
+            self.plan, self.plan_s = Plan.from_dict(ev["plan"]), ev["seconds"]
+            src = "cached profile" if ev.get("cached") else "profiled"
+            self.say(f"plan ({src} + calibrated in {ev['seconds']:.1f} s):\n{self.plan.table()}")
+            atomic_write_text(self.run_dir / "plan.json", self.plan.to_json())
+        elif kind == "step":
+            self._step(ev)
+        elif kind == "eval":
+            self._eval(ev)
+        elif kind == "checkpoint":
+            self.checkpoint = ev["path"]
+
+    def _step(self, ev: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        dt = now - self.last_t if self.last_t is not None else None
+        self.last_t = now
+        records = [StepRecord.from_dict(r) for r in ev.get("records", [])]
+        idle: list[float] = []
+        if len(records) > 1:
+            sm = analyze_step(records)
+            idle = [d.idle_ratio for d in sm.devices]
+            self.devices = [d.name for d in sm.devices]
+            self.records = [*self.records[-(TRACE_STEPS - 1) :], records]
+            self.idle.append(idle)
+        if dt is not None:
+            self.tokens += ev["tokens"]
+            self.train_s += dt
+        tps = self.tokens / self.train_s if self.train_s > 0 else float("nan")
+        step, loss = ev["step"], ev["loss"]
+        self.losses.append((step, loss))
+        row = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": ev["grad_norm"],
+            "lr": ev["lr"],
+            "step_time_s": dt,
+            "tokens_per_s": tps,
+            "idle_ratio": idle,
+        }
+        self.metrics.write(row)
+        if self.tb is not None:
+            self.tb.add_scalar("train/loss", loss, step)
+        if step % self.every == 0 or step == self.total:
+            idle_txt = " ".join(f"{x:.0%}" for x in idle) if idle else "-"
+            self.say(
+                f"step {step:>5}/{self.total}  loss {loss:.4f}  {tps:,.0f} tok/s  idle {idle_txt}"
+            )
+
+    def _eval(self, ev: dict[str, Any]) -> None:
+        acc = self.score(ev["generated"])
+        entry = {
+            "step": ev["step"],
+            "when": ev["when"],
+            "eval_loss": ev["eval_loss"],
+            "accuracy": acc,
+            "seconds": ev["seconds"],
+        }
+        self.evals.append(entry)
+        self.metrics.write({"eval": entry})
+        acc_txt = f"{acc:.1%}" if acc is not None else "-"
+        self.say(
+            f"eval ({ev['when']}, step {ev['step']}): loss {ev['eval_loss']:.4f}  "
+            f"held-out exact match {acc_txt}"
+        )
+
+    def finish(self, result: dict[str, Any]) -> str:
+        self.metrics.close()
+        wall = time.perf_counter() - self.started
+        self._plots()
+        summary = self._summary(result, wall)
+        atomic_write_text(self.run_dir / "summary.md", summary)
+        if self.tb is not None:
+            self.tb.close()
+        return summary
+
+    def _plots(self) -> None:
+        from xronos.metrics import plot_losses, plot_timeline
+
+        if self.losses:
+            plot_losses(self.run_dir / "loss.png", {"train": [x for _, x in self.losses]})
+        if self.records:
+            write_trace(self.run_dir / "trace.json", self.records, self.devices)
+            plot_timeline(self.run_dir / "timeline.png", self.records, self.devices)
+
+    def _summary(self, result: dict[str, Any], wall: float) -> str:
+        before = next((e for e in self.evals if e["when"] == "before"), None)
+        after = next((e for e in self.evals if e["when"] == "after"), None)
+        lines = [
+            "# Xronos fine-tuning run",
+            "",
+            "| | |",
+            "|---|---|",
+            f"| steps | {result.get('step')} of {self.total} |",
+            f"| wall time | {wall:.1f} s |",
+            f"| training tokens/s | {self.tokens / self.train_s:,.0f} |"
+            if self.train_s
+            else "| training tokens/s | - |",
+        ]
+        if self.plan_s is not None:
+            lines.append(f"| profiling + planning | {self.plan_s:.1f} s |")
+        if self.losses:
+            lines.append(f"| final train loss | {self.losses[-1][1]:.4f} |")
+        for tag, e in (("before", before), ("after", after)):
+            if e is not None:
+                acc = f"{e['accuracy']:.1%}" if e["accuracy"] is not None else "-"
+                lines.append(f"| eval loss / exact match {tag} | {e['eval_loss']:.4f} / {acc} |")
+        if self.idle:
+            n = len(self.idle[0])
+            means = [sum(r[i] for r in self.idle) / len(self.idle) for i in range(n)]
+            per = ", ".join(f"{d} {m:.1%}" for d, m in zip(self.devices, means, strict=False))
+            lines.append(f"| idle ratio per device | {per} |")
+        if self.checkpoint:
+            lines.append(f"| last checkpoint | `{self.checkpoint}` |")
+        if self.plan is not None:
+            lines += ["", "## Plan", "", "```", self.plan.table(), "```"]
+        lines += [
+            "",
+            "Files: `metrics.jsonl`, `loss.png`, `timeline.png`, `trace.json`, "
+            "`plan.json`, `config.json`, `checkpoints/`.",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def _tensorboard(run_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        from xronos.errors import UserError
+
+        raise UserError(
+            "--tensorboard needs the tensorboard package: pip install tensorboard"
+        ) from None
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def dump_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, default=str))

@@ -1,0 +1,243 @@
+"""``xronos finetune`` in the parent process: data, cluster, launch, progress, results.
+
+The parent prepares everything that can fail on user input *before* any worker starts
+(model, tokenizer, data, cluster, plan file), then launches one worker per device and
+turns their events into the console progress, ``metrics.jsonl``, the evaluation metric
+and, at the end, ``summary.md`` with its plots.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xronos.data import (
+    Example,
+    Tokenizer,
+    check_vocab,
+    encode_prompt,
+    load_examples,
+    resolve_tokenizer,
+    smarthome,
+    split_train_eval,
+    tokenize,
+)
+from xronos.emulation import ClusterSpec, load_cluster
+from xronos.engine.finetune import FinetuneJob, finetune_worker
+from xronos.engine.job import ModelSource
+from xronos.engine.trainer import OptimConfig
+from xronos.errors import UserError
+from xronos.model.lora import LoRAConfig
+from xronos.planner.plan import Plan, default_mlp_chunk, default_vocab_chunk
+from xronos.profiler.measure import Shape
+from xronos.profiler.run import load_cached, profile_key
+from xronos.runconfig import RunConfig
+from xronos.utils import atomic_write_text
+
+DEFAULT_STEPS = 400
+
+
+@dataclass
+class Prepared:
+    """Everything checked and built before the workers start."""
+
+    cfg: RunConfig
+    source: ModelSource
+    tokenizer: Tokenizer
+    cluster: ClusterSpec
+    job: FinetuneJob
+    eval_refs: list[str]
+    run_dir: Path
+    notes: list[str] = field(default_factory=list)
+
+
+def _examples(cfg: RunConfig, tok: Tokenizer) -> tuple[list[Example], list[Example]]:
+    if not cfg.data:
+        train = smarthome.generate("train", cfg.train_size, seed=cfg.seed)
+        return train, smarthome.generate("eval", max(cfg.eval_size, 1), seed=cfg.seed)
+    examples = load_examples(cfg.data, tok)
+    if cfg.eval_data:
+        return examples, load_examples(cfg.eval_data, tok)
+    train, held = split_train_eval(examples, cfg.eval_fraction, seed=cfg.seed)
+    return list(train), list(held)
+
+
+def _lora(cfg: RunConfig, source: ModelSource) -> LoRAConfig | None:
+    full = cfg.full if cfg.full is not None else source.model_dir is None
+    if full:
+        return None
+    return LoRAConfig(r=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
+
+
+def _steps(cfg: RunConfig, batches_per_epoch: int) -> int:
+    if cfg.steps:
+        return cfg.steps
+    if cfg.epochs:
+        return max(1, math.ceil(cfg.epochs * batches_per_epoch / cfg.grad_accum))
+    return DEFAULT_STEPS
+
+
+def _plan_for(cfg: RunConfig, source: ModelSource, cluster: ClusterSpec) -> Plan | None:
+    devices = [d.name for d in cluster.devices]
+    if cfg.plan is not None:
+        plan = Plan.from_json(Path(cfg.plan).read_text())
+        plan.check(source.cfg)
+        if list(plan.devices) != devices:
+            raise UserError(
+                f"--plan {cfg.plan} is for devices {list(plan.devices)}, the cluster has "
+                f"{devices}; plan again with `xronos plan`"
+            )
+        return plan
+    if cfg.strategy == "tp-even":
+        return Plan.even(source.cfg, devices)
+    if cfg.strategy == "single":
+        return Plan.single(source.cfg, devices[0])
+    return None
+
+
+def prepare(cfg: RunConfig) -> Prepared:
+    """Resolve and check every input; nothing is started and nothing is written."""
+    source = ModelSource.from_name(cfg.model, cfg.seed)
+    if cfg.seq_len > source.cfg.max_position_embeddings:
+        raise UserError(
+            f"--seq-len {cfg.seq_len} exceeds the model's context of "
+            f"{source.cfg.max_position_embeddings} tokens; lower --seq-len"
+        )
+    source = ModelSource(
+        cfg=source.cfg, model_dir=source.model_dir, seed=cfg.seed, lora=_lora(cfg, source)
+    )
+    tok = resolve_tokenizer(cfg.model)
+    check_vocab(tok, source.cfg.vocab_size)
+    train_ex, eval_ex = _examples(cfg, tok)
+    train = tokenize(train_ex, tok, cfg.seq_len, truncation=cfg.truncation)  # type: ignore[arg-type]
+    if len(train) < cfg.batch_size:
+        raise UserError(
+            f"the training data has {len(train)} usable examples, fewer than --batch-size "
+            f"{cfg.batch_size}; add data or lower --batch-size"
+        )
+    evald = tokenize(eval_ex, tok, cfg.seq_len, truncation="drop") if eval_ex else None
+    scored = [e for e in eval_ex if e.prompt and e.completion][: cfg.eval_size]
+    cluster = load_cluster(cfg.cluster)
+    if cfg.strategy == "single":
+        fastest = max(cluster.devices, key=lambda d: d.capacity)
+        cluster = ClusterSpec(name=f"{cluster.name}:{fastest.name}", devices=(fastest,))
+    shape = Shape(
+        cfg=source.cfg,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        mlp_chunk=default_mlp_chunk(source.cfg.intermediate_size),
+        vocab_chunk=default_vocab_chunk(source.cfg.vocab_size),
+        lora=source.lora,
+    )
+    keys = tuple(profile_key(d.to_dict(), shape) for d in cluster.devices)
+    cached = load_cached(list(keys))
+    eos = tuple(i for i in (tok.eos_id,) if i is not None)
+    batches = len(train) // cfg.batch_size
+    run_dir = Path(cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    job = FinetuneJob(
+        source=source,
+        strategy=cfg.strategy,
+        plan=_plan_for(cfg, source, cluster),
+        shape=shape,
+        profile_keys=keys,
+        profiles=tuple(cached) if cached else None,
+        memory_caps=tuple(d.memory_bytes for d in cluster.devices),
+        optim=OptimConfig(
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            max_grad_norm=cfg.max_grad_norm,
+            warmup_steps=cfg.warmup_steps,
+            bf16=cfg.bf16,
+        ),
+        train=train,
+        eval=evald,
+        eval_prompts=tuple(tuple(encode_prompt(tok, e.prompt)) for e in scored),
+        max_new_tokens=cfg.max_new_tokens,
+        eos_ids=eos,
+        batch_size=cfg.batch_size,
+        grad_accum=cfg.grad_accum,
+        steps=_steps(cfg, batches),
+        seed=cfg.seed,
+        pad_id=tok.pad_id,
+        eval_every=cfg.eval_every,
+        save_every=cfg.save_every,
+        run_dir=str(run_dir),
+    )
+    notes = [train.summary()]
+    if evald is not None:
+        notes.append("eval: " + evald.summary())
+    return Prepared(cfg, source, tok, cluster, job, [e.completion for e in scored], run_dir, notes)
+
+
+def write_config(prep: Prepared) -> None:
+    """The resolved configuration, so that a run can be understood and repeated."""
+    prep.run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = {
+        "config": asdict(prep.cfg),
+        "model": prep.source.cfg.to_hf_dict(),
+        "lora": asdict(prep.source.lora) if prep.source.lora else None,
+        "cluster": prep.cluster.to_dict(),
+        "steps": prep.job.steps,
+        "command": " ".join(["xronos", *sys.argv[1:]]),
+    }
+    atomic_write_text(prep.run_dir / "config.json", json.dumps(resolved, indent=2, default=str))
+
+
+def accuracy(tok: Tokenizer, generated: list[list[int]], refs: list[str]) -> float | None:
+    if not refs:
+        return None
+    preds = [tok.decode(g) for g in generated]
+    return smarthome.exact_match(preds, refs)
+
+
+def launch_job(prep: Prepared, on_event: Any) -> list[dict[str, Any]]:
+    from xronos.engine.cluster import run_on_cluster
+
+    cfg = prep.cfg
+    return run_on_cluster(
+        finetune_worker,
+        [prep.job] * prep.cluster.world_size,
+        prep.cluster,
+        emulate=cfg.emulate,
+        timeout_s=cfg.timeout,
+        on_event=on_event,
+    )
+
+
+def saved_config(run_dir: str) -> dict[str, Any]:
+    """The settings a run was started with (its ``config.json``), as a config layer."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise UserError(f"--resume {run_dir}: not a run directory (no config.json)")
+    try:
+        saved = json.loads(path.read_text())["config"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise UserError(f"--resume {run_dir}: unreadable config.json ({e})") from None
+    return {k: v for k, v in saved.items() if k not in ("resume", "out")} | {"out": run_dir}
+
+
+def resume_job(cfg: RunConfig) -> Prepared:
+    """``prepare`` for a run that continues from its latest complete checkpoint."""
+    from dataclasses import replace
+
+    from xronos.checkpoint import latest_checkpoint, read_checkpoint_meta
+
+    assert cfg.resume is not None
+    ckpt = latest_checkpoint(cfg.resume)
+    if ckpt is None:
+        raise UserError(f"--resume {cfg.resume}: no complete checkpoint to continue from")
+    meta = read_checkpoint_meta(ckpt)
+    prep = prepare(replace(cfg, out=cfg.resume))
+    if int(meta["step"]) >= prep.job.steps:
+        raise UserError(
+            f"--resume {cfg.resume}: its checkpoint is at step {meta['step']} of "
+            f"{prep.job.steps}; pass a larger --steps to train further"
+        )
+    prep.job = replace(prep.job, resume=str(ckpt))
+    prep.notes.append(f"resuming from {ckpt} (step {meta['step']})")
+    return prep

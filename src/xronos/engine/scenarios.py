@@ -1,0 +1,78 @@
+"""Named benchmark scenarios: a cluster, a model and a workload, fixed so runs compare."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xronos.errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    name: str
+    cluster: str
+    """Cluster preset (see ``xronos.emulation``)."""
+    model: str
+    """Model preset or directory."""
+    batch_size: int
+    seq_len: int
+    steps: int
+    """Counted steps per strategy."""
+    warmup: int
+    """Uncounted steps per strategy before them."""
+    lora_rank: int = 0
+    """0 = full fine-tuning."""
+    description: str = ""
+
+
+SCENARIOS = {
+    s.name: s
+    for s in (
+        Scenario(
+            name="ci-2dev",
+            cluster="ci-2dev",
+            model="small",
+            batch_size=4,
+            seq_len=64,
+            steps=8,
+            warmup=2,
+            description="2 devices on a 2-core host: 1 core at 100 %, 1 core at 40 % quota",
+        ),
+        Scenario(
+            name="edge-3dev",
+            cluster="edge-3dev",
+            model="small",
+            batch_size=6,
+            seq_len=64,
+            steps=8,
+            warmup=2,
+            description="3 devices at speeds 1 : 0.5 : 0.25",
+        ),
+        Scenario(
+            name="edge-4dev",
+            cluster="edge-4dev",
+            model="small",
+            batch_size=8,
+            seq_len=256,
+            steps=10,
+            warmup=3,
+            description="16-core host: 4/4/2/2 cores at mixed quotas, 1 Gbit/s and 100 Mbit/s",
+        ),
+        Scenario(
+            name="smoke",
+            cluster="ci-2dev",
+            model="tiny",
+            batch_size=4,
+            seq_len=32,
+            steps=3,
+            warmup=1,
+            description="seconds-long check of the bench machinery (tests)",
+        ),
+    )
+}
+
+
+def get_scenario(name: str) -> Scenario:
+    if name not in SCENARIOS:
+        raise UserError(f"unknown scenario {name!r}; choose one of {', '.join(SCENARIOS)}")
+    return SCENARIOS[name]

@@ -1,0 +1,198 @@
+"""Pipeline schedules and the point-to-point messages between stages.
+
+A schedule is, per stage, the order of its micro-batch forwards ``F(i)`` and backwards
+``B(i)``. With ``n`` stages, stage ``j`` and ``m`` micro-batches::
+
+    GPipe  (all forwards, then all backwards):
+        stage j:  F0 F1 … F(m-1)  B0 B1 … B(m-1)
+    1F1B   (PipeDream-flush: warm-up, steady one-forward-one-backward, cool-down):
+        stage j:  F0 … F(w-1) | F(w) B0 F(w+1) B1 … F(m-1) B(m-1-w) | B(m-w) … B(m-1)
+                  w = min(n - 1 - j, m) warm-up forwards
+
+1F1B keeps at most ``n - j`` micro-batches' activations alive on stage ``j``; GPipe keeps
+all ``m``. Both finish a step in about ``Σ_j t_j + (m − 1) · max_j t_j`` (the same bubble).
+
+Messages (``<msg>`` per the convention of :mod:`xronos.metrics.analysis`)::
+
+    act/mb{i}/{j}->{j+1}    activations (B_i, S, H) of micro-batch i, forward direction
+    grad/mb{i}/{j+1}->{j}   their gradient (B_i, S, H), backward direction
+
+All receives of a step are posted (``irecv``) before the step's first computation, so data
+arrives in the background while the stage computes; sends are ``isend`` and only waited on
+at the end of the step. Each message has its own gloo tag, so posting order does not matter.
+Recorded spans:
+
+* ``recv:<msg>`` from the moment the stage starts waiting for the data until it is there;
+* ``send:<msg>`` around issuing the ``isend`` (the sender does not block there); the
+  receiver's idle therefore ends when the sender issued the data, the rest is transfer;
+* ``drain:stage{j}`` around waiting for this step's sends to complete (a wait with no
+  partner: the analysis counts it as idle).
+
+Every wait is bounded by ``timeout_s``; a timeout raises an error naming the message and
+the peer stage's device.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from xronos.comm.mappings import TPGroup
+from xronos.engine.trainer import Batch
+from xronos.errors import UserError
+from xronos.metrics.recorder import current_recorder
+
+STRATEGIES = ("pp-gpipe", "pp-1f1b")
+
+
+class Action(NamedTuple):
+    """One step of a stage's schedule: ``kind`` is ``"F"`` (forward) or ``"B"`` (backward)."""
+
+    kind: str
+    mb: int
+
+
+def gpipe(stage: int, num_stages: int, m: int) -> list[Action]:
+    """All forwards, then all backwards (GPipe)."""
+    return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+
+
+def one_f_one_b(stage: int, num_stages: int, m: int) -> list[Action]:
+    """Warm-up forwards, steady one-forward-one-backward, cool-down backwards (1F1B)."""
+    warmup = min(num_stages - 1 - stage, m)
+    actions = [Action("F", i) for i in range(warmup)]
+    for k in range(m - warmup):
+        actions += [Action("F", warmup + k), Action("B", k)]
+    actions += [Action("B", i) for i in range(m - warmup, m)]
+    return actions
+
+
+def schedule(strategy: str, stage: int, num_stages: int, m: int) -> list[Action]:
+    """The actions of ``stage`` under ``strategy`` (``pp-gpipe`` or ``pp-1f1b``)."""
+    if strategy == "pp-gpipe":
+        return gpipe(stage, num_stages, m)
+    if strategy == "pp-1f1b":
+        return one_f_one_b(stage, num_stages, m)
+    raise UserError(f"unknown pipeline strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+
+
+def split_microbatches(batches: Sequence[Batch], m: int) -> list[Batch]:
+    """Cut the step's gradient-accumulation batches into ``m`` pipeline micro-batches.
+
+    Each of the ``k = len(batches)`` batches is split along the batch dim into ``m / k``
+    parts of (nearly) equal size, in order; ``m`` must be a multiple of ``k`` and no part
+    may be empty. The loss is normalised by the whole step's label count, so the split
+    changes only the order of floating-point sums, not the result.
+    """
+    k = len(batches)
+    if k == 0:
+        raise ValueError("a training step needs at least one batch")
+    if m % k:
+        raise UserError(
+            f"pipeline: {m} micro-batches cannot be cut evenly from {k} accumulation batches; "
+            f"set the micro-batch count to a multiple of {k}"
+        )
+    parts = m // k
+    out: list[Batch] = []
+    for ids, labels in batches:
+        if ids.shape[0] < parts:
+            raise UserError(
+                f"pipeline: a batch of {ids.shape[0]} sequences cannot make {parts} "
+                f"micro-batches; raise the batch size or lower the micro-batch count"
+            )
+        out += zip(ids.tensor_split(parts), labels.tensor_split(parts), strict=True)
+    return out
+
+
+def label_count(batches: Sequence[Batch]) -> int:
+    """Next-token labels that count in the loss (labels are unshifted; -100 = ignore)."""
+    return sum(int((labels[:, 1:] != -100).sum()) for _, labels in batches)
+
+
+ACT_TAG, GRAD_TAG, TIED_TAG = 0, 1, 1 << 20
+
+
+def act_tag(mb: int) -> int:
+    return 2 * mb + ACT_TAG
+
+
+def grad_tag(mb: int) -> int:
+    return 2 * mb + GRAD_TAG
+
+
+def _issued(work: dist.Work | None, msg: str) -> dist.Work:
+    if work is None:  # torch returns None when this rank is not in the group
+        raise RuntimeError(f"pipeline: {msg} was not issued: this rank is not in the group")
+    return work
+
+
+class P2P:
+    """This stage's in-flight point-to-point messages for one step.
+
+    Args:
+        group: the world group; stage ``j`` is rank ``j``.
+        devices: device name per stage (for error messages).
+        timeout_s: bound on every wait.
+    """
+
+    def __init__(self, group: TPGroup, devices: Sequence[str], timeout_s: float) -> None:
+        self.group, self.devices = group, tuple(devices)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._recvs: dict[str, tuple[dist.Work, torch.Tensor, int]] = {}
+        self._sends: list[tuple[str, dist.Work, torch.Tensor, int]] = []
+
+    def post_recv(self, msg: str, src: int, buf: torch.Tensor, tag: int) -> None:
+        """Start receiving ``msg`` from stage ``src`` into ``buf`` (returns at once)."""
+        work = dist.irecv(buf, src=src, group=self.group.pg, tag=tag)
+        self._recvs[msg] = (_issued(work, msg), buf, src)
+
+    def wait_recv(self, msg: str) -> torch.Tensor:
+        """Block until ``msg`` has arrived (span ``recv:<msg>``) and return its buffer."""
+        work, buf, src = self._recvs.pop(msg)
+        with current_recorder().collective("recv:" + msg):
+            self._wait(work, msg, src, "receiving")
+        return buf
+
+    def send(self, msg: str, dst: int, t: torch.Tensor, tag: int) -> None:
+        """Start sending ``t`` to stage ``dst`` (span ``send:<msg>`` around the issue only)."""
+        t = t.contiguous()
+        with current_recorder().collective("send:" + msg):
+            work = dist.isend(t, dst=dst, group=self.group.pg, tag=tag)
+        self._sends.append((msg, _issued(work, msg), t, dst))  # keeps ``t`` alive until sent
+
+    def drain(self) -> None:
+        """Wait for every send of this step to complete (span ``drain:stage{j}``)."""
+        if not self._sends and not self._recvs:
+            return
+        if self._recvs:
+            raise RuntimeError(f"pipeline: step ended with unreceived messages {list(self._recvs)}")
+        with current_recorder().collective(f"drain:stage{self.group.rank}"):
+            for msg, work, _, dst in self._sends:
+                self._wait(work, msg, dst, "sending")
+        self._sends.clear()
+
+    def abandon(self) -> None:
+        """Forget in-flight messages after a failure (the process group is torn down next)."""
+        self._recvs.clear()
+        self._sends.clear()
+
+    def _wait(self, work: dist.Work, msg: str, peer: int, what: str) -> None:
+        try:
+            done = work.wait(self.timeout)
+        except RuntimeError as e:
+            lines = str(e).strip().splitlines()
+            raise TimeoutError(self._stuck(msg, peer, what, lines[-1] if lines else "")) from e
+        if done is False:
+            raise TimeoutError(self._stuck(msg, peer, what, ""))
+
+    def _stuck(self, msg: str, peer: int, what: str, cause: str) -> str:
+        name = self.devices[peer] if peer < len(self.devices) else f"rank {peer}"
+        secs = self.timeout.total_seconds()
+        return (
+            f"pipeline: {what} {msg} with stage {peer} (device {name!r}) did not finish "
+            f"within {secs:.0f} s; that device is stuck or gone ({cause or 'timed out'})"
+        )

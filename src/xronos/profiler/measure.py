@@ -1,0 +1,228 @@
+"""Measuring one device, inside its own limits, at the real batch and sequence shape.
+
+For each segment the shard of ``u`` units is built at its local shape and timed through
+forward + backward (+ its optimizer update) for a few ``u``; a least-squares line
+``t(u) = a + b·u`` is fitted. One layer is timed and multiplied by ``num_layers``. The
+replicated work (embedding, norms, residuals, replicated parameters' update) is timed the
+same way. Every timing is the minimum of a few repetitions after a warm-up: the minimum is
+the least disturbed by other processes and by the CPU quota's throttling phase.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from xronos.comm.mappings import TPGroup
+from xronos.config import ModelConfig
+from xronos.model.llama import MLP, Attention, RMSNorm
+from xronos.model.lora import LoRAConfig, add_lora
+from xronos.model.rope import RotaryEmbedding
+from xronos.parallel.vocab import vocab_parallel_cross_entropy
+from xronos.planner.plan import segment_units
+from xronos.profiler.profile import CostCurve
+
+BYTES_FP32 = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """What is profiled: the model, the batch, the training mode, the unit sizes."""
+
+    cfg: ModelConfig
+    batch_size: int
+    seq_len: int
+    mlp_chunk: int
+    vocab_chunk: int
+    lora: LoRAConfig | None = None
+
+
+def best_time(fn: Callable[[], None], repeats: int = 2, warmup: int = 0) -> float:
+    """Minimum wall time of ``fn`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def fit_line(points: list[tuple[int, float]]) -> CostCurve:
+    """Least-squares ``t = a + b·u`` through ``points``, clamped to a, b ≥ 0."""
+    n = len(points)
+    if n == 1:
+        u, t = points[0]
+        return CostCurve(0.0, t / max(u, 1))
+    mu = sum(u for u, _ in points) / n
+    mt = sum(t for _, t in points) / n
+    var = sum((u - mu) ** 2 for u, _ in points)
+    b = sum((u - mu) * (t - mt) for u, t in points) / var if var > 0 else mt / max(mu, 1)
+    b = max(b, 1e-12)
+    a = max(mt - b * mu, 0.0)
+    return CostCurve(a, b)
+
+
+def unit_points(total: int) -> list[int]:
+    """Two distinct unit counts (a quarter and a half of the total) where possible: enough
+    for the line, and cheap — the real-step calibration corrects the scale afterwards."""
+    return sorted({max(1, total // 4), max(1, total // 2)})
+
+
+def _train_step_fn(
+    module: nn.Module,
+    make_input: Callable[[], torch.Tensor],
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[], None]:
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-6) if params else None
+
+    def run() -> None:
+        x = make_input()
+        loss_of(module_out(module, x)).backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return run
+
+
+def module_out(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)  # type: ignore[no-any-return]
+
+
+def _shard_cfg(cfg: ModelConfig, seg: str, units: int, shape: Shape) -> ModelConfig:
+    if seg == "attn":
+        return cfg.replace(
+            num_kv_heads=units, num_heads=units * cfg.q_per_kv, head_dim=cfg.head_dim
+        )
+    return cfg.replace(intermediate_size=units * shape.mlp_chunk)
+
+
+class _AttnWithRope(nn.Module):
+    def __init__(self, cfg: ModelConfig, seq_len: int) -> None:
+        super().__init__()
+        self.attn = Attention(cfg)
+        self.cos_sin = RotaryEmbedding(cfg)(0, seq_len, torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, self.cos_sin)  # type: ignore[no-any-return]
+
+
+def _segment_module(seg: str, units: int, shape: Shape) -> nn.Module:
+    cfg = _shard_cfg(shape.cfg, seg, units, shape)
+    module: nn.Module = _AttnWithRope(cfg, shape.seq_len) if seg == "attn" else MLP(cfg)
+    if shape.lora is not None:
+        add_lora(module, shape.lora, seed=0)
+        for name, p in module.named_parameters():
+            p.requires_grad_(".lora_" in name)
+    return module
+
+
+def time_layer_segment(seg: str, units: int, shape: Shape, repeats: int) -> float:
+    """Forward+backward+update seconds of one layer's ``seg`` shard with ``units`` units."""
+    h = shape.cfg.hidden_size
+    module = _segment_module(seg, units, shape)
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(shape.batch_size, shape.seq_len, h, generator=gen)
+    return best_time(
+        _train_step_fn(module, lambda: x0.clone().requires_grad_(True), lambda y: y.sum()),
+        repeats=repeats,
+    )
+
+
+def time_vocab(units: int, shape: Shape, repeats: int) -> float:
+    """Forward+backward(+update) seconds of ``units`` vocabulary rows with the parallel CE."""
+    cfg = shape.cfg
+    rows = min(units * shape.vocab_chunk, cfg.vocab_size)
+    head = nn.Linear(cfg.hidden_size, rows, bias=False)
+    head.weight.requires_grad_(shape.lora is None)
+    n = shape.batch_size * (shape.seq_len - 1)
+    gen = torch.Generator().manual_seed(0)
+    h0 = torch.randn(n, cfg.hidden_size, generator=gen)
+    targets = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
+
+    def loss_of(logits: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits.float(), targets, 0, TPGroup())
+
+    return best_time(
+        _train_step_fn(head, lambda: h0.clone().requires_grad_(True), loss_of), repeats=repeats
+    )
+
+
+class _Replicated(nn.Module):
+    """What every device repeats: embedding, per layer two norms and two residual adds,
+    the final norm."""
+
+    def __init__(self, cfg: ModelConfig, vocab_rows: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_rows, cfg.hidden_size)
+        self.norms = nn.ModuleList(
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for _ in range(2 * cfg.num_layers + 1)
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for norm in self.norms:
+            x = x + norm(x)
+        return x
+
+
+def time_replicated(shape: Shape, repeats: int) -> float:
+    cfg = shape.cfg
+    # Untied: every device holds the whole embedding; tied: it is vocab-parallel (small).
+    rows = cfg.vocab_size if not cfg.tie_word_embeddings else shape.vocab_chunk
+    module = _Replicated(cfg, rows)
+    if shape.lora is not None:
+        for p in module.parameters():
+            p.requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, rows, (shape.batch_size, shape.seq_len), generator=gen)
+    return best_time(_train_step_fn(module, lambda: ids, lambda y: y.sum()), repeats=repeats)
+
+
+def measure_segments(shape: Shape, repeats: int = 2) -> tuple[dict[str, CostCurve], float]:
+    """Fitted per-step cost curves of attn / mlp / vocab, and the replicated seconds."""
+    totals = segment_units(shape.cfg, shape.mlp_chunk, shape.vocab_chunk)
+    curves: dict[str, CostCurve] = {}
+    layers = shape.cfg.num_layers
+    time_layer_segment("mlp", 1, shape, repeats=1)  # warm the allocator and the kernels
+    for seg in ("attn", "mlp"):
+        pts = [(u, time_layer_segment(seg, u, shape, repeats)) for u in unit_points(totals[seg])]
+        one = fit_line(pts)
+        curves[seg] = CostCurve(one.a * layers, one.b * layers)
+    curves["vocab"] = fit_line(
+        [(u, time_vocab(u, shape, repeats)) for u in unit_points(totals["vocab"])]
+    )
+    return curves, time_replicated(shape, repeats)
+
+
+def unit_bytes(shape: Shape) -> dict[str, int]:
+    """Bytes per unit: weights (+ grads + two AdamW moments when trained) + activations."""
+    cfg = shape.cfg
+    per_param = BYTES_FP32 if shape.lora is not None else 4 * BYTES_FP32
+    tokens = shape.batch_size * shape.seq_len
+    h = cfg.hidden_size
+    attn_params = h * cfg.kv_group_width + cfg.q_per_kv * cfg.head_dim * h
+    mlp_params = 3 * h * shape.mlp_chunk
+    vocab_params = h * shape.vocab_chunk
+    act = BYTES_FP32 * tokens
+    return {
+        "attn": cfg.num_layers * (attn_params * per_param + act * 2 * cfg.kv_group_width),
+        "mlp": cfg.num_layers * (mlp_params * per_param + act * 3 * shape.mlp_chunk),
+        "vocab": vocab_params * per_param + act * 2 * shape.vocab_chunk,
+    }
+
+
+def base_bytes(shape: Shape) -> int:
+    """Bytes every device needs whatever its units: replicated weights and activations."""
+    cfg = shape.cfg
+    per_param = BYTES_FP32 if shape.lora is not None else 4 * BYTES_FP32
+    emb = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * per_param
+    acts = BYTES_FP32 * shape.batch_size * shape.seq_len * cfg.hidden_size * 6 * cfg.num_layers
+    return emb + acts + 64 * 2**20  # + the runtime itself

@@ -1,0 +1,183 @@
+"""``xronos finetune`` settings: a TOML file (``--config``) overridden by flags.
+
+Every field below is both a TOML key and a flag (``grad_accum`` ↔ ``--grad-accum``).
+Validation happens here, before any process starts, with one clear line per mistake.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from xronos.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+STRATEGIES = ("xronos", "tp-even", "single", "pp-gpipe", "pp-1f1b")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything a fine-tuning run needs; defaults give the embedded default run."""
+
+    model: str = "tiny"
+    """Preset name (tiny, small) or Hugging Face model directory."""
+    data: list[str] = field(default_factory=list)
+    """JSONL / .txt files or directories; empty = the built-in smart-home data set."""
+    eval_data: list[str] = field(default_factory=list)
+    """Held-out files; empty = a fraction of --data (or the built-in held-out set)."""
+    eval_fraction: float = 0.05
+    """Share of --data held out when --eval-data is not given."""
+    eval_size: int = 100
+    """Held-out examples decoded for the exact-match accuracy (0 = skip)."""
+    train_size: int = 4000
+    """Training examples generated for the built-in data set."""
+    cluster: str = "default"
+    """Cluster preset or TOML file (default: a heterogeneous cluster sized to the host)."""
+    emulate: bool = True
+    """Run each device's worker inside its emulated limits."""
+    strategy: str = "xronos"
+    """xronos (profile + plan), tp-even, single (fastest device alone), pp-gpipe, pp-1f1b."""
+    plan: str | None = None
+    """Reuse a plan.json instead of profiling and planning."""
+    full: bool | None = None
+    """Fine-tune every weight instead of LoRA adapters (default: full for a preset, whose
+    weights are random, LoRA for a pretrained Hugging Face model)."""
+    lora_rank: int = 8
+    """LoRA rank (ignored with --full)."""
+    lora_alpha: float = 16.0
+    """LoRA alpha; the update is scaled by alpha / rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    steps: int = 0
+    """Optimizer steps (0 = from --epochs, else 400 on the built-in data set)."""
+    epochs: float = 0.0
+    """Passes over the training data (used when --steps is 0)."""
+    batch_size: int = 32
+    """Sequences per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    seq_len: int = 64
+    """Tokens per sequence."""
+    truncation: str = "truncate"
+    """What to do with longer examples: truncate, drop or error."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 20
+    """Linear learning-rate warm-up."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm (0 = off)."""
+    bf16: bool = False
+    """bf16 autocast for forward/backward."""
+    seed: int = 0
+    """Seed for preset weights, LoRA init, data order."""
+    eval_every: int = 0
+    """Evaluate every N steps (0 = only before and after)."""
+    save_every: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    max_new_tokens: int = 32
+    """Generation budget per eval prompt."""
+    out: str = ""
+    """Run directory (default: runs/<timestamp>)."""
+    resume: str | None = None
+    """Continue a run directory from its latest complete checkpoint."""
+    timeout: float = 300.0
+    """Seconds any collective may wait before the run is stopped."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files (needs the tensorboard package)."""
+
+    def validate(self) -> None:
+        positive = ("batch_size", "grad_accum", "seq_len", "timeout")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+        for name in ("steps", "epochs", "eval_every", "save_every", "eval_size", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{_flag(name)} must be ≥ 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise UserError(f"--lr must be positive, got {self.lr}")
+        if self.strategy not in STRATEGIES:
+            raise UserError(f"--strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        if self.truncation not in ("truncate", "drop", "error"):
+            raise UserError(f"--truncation {self.truncation!r}: choose truncate, drop or error")
+        if not self.full and self.lora_rank < 1:
+            raise UserError(f"--lora-rank must be ≥ 1 (or use --full), got {self.lora_rank}")
+        if not 0 <= self.lora_dropout < 1:
+            raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if not 0 < self.eval_fraction < 1:
+            raise UserError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
+        for path in [*self.data, *self.eval_data]:
+            if not Path(path).exists():
+                raise UserError(f"--data {path}: no such file or directory")
+        if self.plan is not None and not Path(self.plan).is_file():
+            raise UserError(f"--plan {self.plan}: no such file; create one with `xronos plan`")
+
+
+def field_docs() -> dict[str, str]:
+    """Each field's docstring (the string literal after it), for ``--help``."""
+    import ast
+    import inspect
+    import itertools
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(RunConfig)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in itertools.pairwise(body):
+        named = isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        if named and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
+    return docs
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def config_fields() -> list[dataclasses.Field[Any]]:
+    return list(fields(RunConfig))
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """The ``[finetune]`` table (or the whole file) of a TOML config, keys checked."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise UserError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"--config {path}: invalid TOML ({e})") from None
+    table = data.get("finetune", data)
+    known = {f.name for f in config_fields()}
+    for key in table:
+        if key.replace("-", "_") not in known:
+            raise UserError(f"--config {path}: unknown key {key!r}; see `xronos finetune --help`")
+    return {k.replace("-", "_"): v for k, v in table.items()}
+
+
+def build_config(toml: dict[str, Any], flags: dict[str, Any]) -> RunConfig:
+    """Defaults < TOML < flags (a flag counts when it was given on the command line)."""
+    values: dict[str, Any] = {}
+    for f in config_fields():
+        if f.name in flags and flags[f.name] is not None:
+            values[f.name] = flags[f.name]
+        elif f.name in toml:
+            values[f.name] = toml[f.name]
+    try:
+        cfg = RunConfig(**values)
+    except TypeError as e:
+        raise UserError(f"config: {e}") from None
+    for f in config_fields():
+        v = getattr(cfg, f.name)
+        if f.name in ("data", "eval_data") and isinstance(v, str):
+            setattr(cfg, f.name, [v])
+    cfg.validate()
+    return cfg

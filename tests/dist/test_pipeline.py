@@ -1,0 +1,291 @@
+"""Pipeline-parallel training (GPipe, 1F1B) follows the single-process run step by step.
+
+One world per world size runs every case (spawning ranks costs more than the math): 2
+stages with layers [1, 3], 3 stages with layers [2, 1, 1]; full fine-tuning and LoRA, tied
+and untied embeddings. Each case is compared with ``run_local`` on the same job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist.world import WorkerContext, run_world
+from xronos.comm.mappings import TPGroup
+from xronos.config import ModelConfig
+from xronos.engine.job import ModelSource, RandomBatches, TrainJob
+from xronos.engine.pipeline import PipelineRunner
+from xronos.engine.pipeline_worker import PipelineJob, pipeline_worker, stall_ratios
+from xronos.engine.schedule import Action, gpipe, one_f_one_b, schedule, split_microbatches
+from xronos.engine.trainer import OptimConfig
+from xronos.engine.worker import TrainResult, run_local
+from xronos.errors import UserError
+from xronos.metrics import analyze_pipeline_step, is_pipeline
+from xronos.metrics.recorder import SpanRecorder, use_recorder
+from xronos.model.lora import LoRAConfig
+from xronos.planner.pipeline import PipelinePlan
+from xronos.planner.plan import Plan
+
+# PP runs the single-device arithmetic; only the order of some sums changes (CE summed per
+# smaller micro-batch, the tied matrix's two gradient halves added after the schedule, the
+# squared norm summed per stage). Observed max |Δ| ≈ 2e-6 over 4 steps. The tolerances are
+# those of tests/dist/test_training.py: Adam divides by sqrt(v), so a noise-level gradient
+# entry may move by a fraction of lr; a missing gradient exchange or a wrong stage boundary
+# moves parameters by O(lr) = 3e-3 per step, far above 1e-4.
+LOSS_RTOL = 1e-4
+PARAM_ATOL = 1e-4
+PARAM_RTOL = 1e-4
+STEPS = 4
+
+
+def _cfg(tied: bool) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+        num_kv_heads=2, tie_word_embeddings=tied,
+    )
+
+
+def _job(
+    strategy: str,
+    ranges: tuple[tuple[int, int], ...],
+    *,
+    tied: bool,
+    lora: bool,
+    m: int = 4,
+    batch_size: int = 2,
+) -> PipelineJob:
+    cfg = _cfg(tied)
+    devices = tuple(f"rank{i}" for i in range(len(ranges)))
+    return PipelineJob(
+        model=ModelSource(
+            cfg=cfg, seed=5, lora=LoRAConfig(r=4, alpha=8.0, dropout=0.1) if lora else None
+        ),
+        pipeline=PipelinePlan(devices, ranges, (), m),
+        strategy=strategy,
+        optim=OptimConfig(lr=1e-2 if lora else 3e-3, max_grad_norm=1.0, weight_decay=0.01),
+        data=RandomBatches(
+            100, batch_size=batch_size, seq_len=16, grad_accum=2, seed=1, repeat=True
+        ),
+        steps=STEPS,
+        return_state=True,
+    )
+
+
+def _reference(job: PipelineJob) -> TrainResult:
+    cfg = job.model.cfg
+    return run_local(
+        TrainJob(model=job.model, plan=Plan.single(cfg), optim=job.optim, data=job.data,
+                 steps=job.steps, return_state=True)
+    )
+
+
+def _variants(ranges: tuple[tuple[int, int], ...], **kw: Any) -> dict[str, PipelineJob]:
+    return {
+        f"{strategy}/{'lora' if lora else 'full'}/{'tied' if tied else 'untied'}": _job(
+            strategy, ranges, tied=tied, lora=lora, **kw
+        )
+        for strategy in ("pp-gpipe", "pp-1f1b")
+        for lora in (False, True)
+        for tied in (True, False)
+    }
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _custom_loop(ctx: WorkerContext, job: PipelineJob, mode: str) -> dict[str, Any]:
+    """``interleaved``: isolated compute after every step (it must not disturb training).
+    ``no-tied-sync``: the tied-gradient exchange left out (the control that must fail)."""
+    runner = PipelineRunner(job.model, job.pipeline, ctx.group, job.optim, strategy=job.strategy)
+    if mode == "no-tied-sync":
+        runner._sync_tied = lambda p2p: None  # type: ignore[method-assign]
+    rec = SpanRecorder(ctx.rank, ctx.device)
+    losses, observed, isolated = [], [], []
+    batches = job.data.steps(0)
+    for step in range(job.steps):
+        micro = next(batches)
+        rec.start_step(step)
+        with use_recorder(rec):
+            losses.append(runner.step(micro)[0])
+        record = rec.end_step()
+        assert record is not None
+        observed.append([s.name for s in record.computes])
+        if mode == "interleaved":
+            isolated.append([s.name for s in runner.isolated_compute(micro)])
+    state = runner.gather_state()
+    runner.close()
+    return {"losses": losses, "state": state, "observed": observed, "isolated": isolated}
+
+
+def _run_cases(ctx: WorkerContext, cases: dict[str, tuple[str, PipelineJob]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (mode, job) in cases.items():
+        out[name] = pipeline_worker(ctx, job) if mode == "plain" else _custom_loop(ctx, job, mode)
+    return out
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _assert_same_run(losses: list[float], state: dict[str, torch.Tensor], ref: TrainResult) -> None:
+    assert losses == pytest.approx(ref.losses, rel=LOSS_RTOL)
+    assert ref.state is not None
+    assert state.keys() == ref.state.keys()
+    for name, want in ref.state.items():
+        torch.testing.assert_close(state[name], want, atol=PARAM_ATOL, rtol=PARAM_RTOL, msg=name)
+
+
+def _expected_computes(job: PipelineJob, stage: int) -> list[str]:
+    n, m = job.pipeline.num_stages, job.pipeline.num_microbatches
+    return [
+        f"{'fwd' if a.kind == 'F' else 'bwd'}:mb{a.mb}" for a in schedule(job.strategy, stage, n, m)
+    ]
+
+
+def _check_plain(name: str, job: PipelineJob, per_rank: list[Any]) -> None:
+    ref = _reference(job)
+    assert ref.losses[-1] < ref.losses[0] - 0.05, f"{name}: the run should learn something"
+    for r in per_rank:
+        _assert_same_run(r.losses, r.state, ref)
+        assert r.grad_norms == pytest.approx(ref.grad_norms, rel=LOSS_RTOL), name
+    result = per_rank[0]
+    n = job.pipeline.num_stages
+    assert len(result.records) == STEPS and len(result.isolated) == n, name
+    for records in result.records:
+        assert is_pipeline(records)
+        metrics = analyze_pipeline_step(records)
+        for d in metrics.devices:
+            assert 0.0 <= d.idle_ratio <= 1.0, (name, d)
+            total = d.compute_s + d.transfer_s + d.idle_s
+            assert total == pytest.approx(d.step_time_s, rel=1e-6, abs=1e-9), (name, d)
+        # every message waited for on one stage was issued on its neighbour
+        sent = Counter(
+            s.name[5:] for r in records for s in r.collectives if s.name.startswith("send:")
+        )
+        got = Counter(
+            s.name[5:] for r in records for s in r.collectives if s.name.startswith("recv:")
+        )
+        assert sent == got and sent, name
+        for r in records:  # the stage ran its schedule, micro-batch by micro-batch
+            assert [s.name for s in r.computes] == _expected_computes(job, r.rank), name
+    for rank, spans in enumerate(result.isolated):
+        assert [s.name for s in spans] == _expected_computes(job, rank), name
+    assert all(0.0 <= s < 1.0 for s in stall_ratios(result, skip_warmup=1)), name
+
+
+def _check_world(cases: dict[str, tuple[str, PipelineJob]], world: int) -> None:
+    per_rank = run_world(_run_cases, world, cases, timeout_s=120.0)
+    for name, (mode, job) in cases.items():
+        results = [r[name] for r in per_rank]
+        if mode == "plain":
+            _check_plain(name, job, results)
+        elif mode == "interleaved":
+            for r in results:
+                _assert_same_run(r["losses"], r["state"], _reference(job))
+                assert r["isolated"] == r["observed"], name
+        else:  # the control: without the tied-gradient exchange the run must differ
+            with pytest.raises(AssertionError):
+                _assert_same_run(results[0]["losses"], results[0]["state"], _reference(job))
+
+
+@pytest.mark.slow
+def test_two_stages_match_single_process() -> None:
+    ranges = ((0, 1), (1, 4))
+    cases = {name: ("plain", job) for name, job in _variants(ranges).items()}
+    cases["interleaved/full"] = ("interleaved", _job("pp-1f1b", ranges, tied=True, lora=False))
+    cases["interleaved/lora"] = ("interleaved", _job("pp-gpipe", ranges, tied=False, lora=True))
+    cases["control/no-tied-sync"] = ("no-tied-sync", _job("pp-1f1b", ranges, tied=True, lora=False))
+    _check_world(cases, 2)
+
+
+@pytest.mark.slow
+def test_three_uneven_stages_match_single_process() -> None:
+    # batch 3 cut in 2 micro-batches: uneven sizes 2 and 1
+    ranges = ((0, 2), (2, 3), (3, 4))
+    cases = {name: ("plain", job) for name, job in _variants(ranges, batch_size=3).items()}
+    # fewer micro-batches than stages: 1F1B's warm-up is cut short
+    cases["pp-1f1b/m2"] = ("plain", _job("pp-1f1b", ranges, tied=True, lora=False, m=2))
+    _check_world(cases, 3)
+
+
+# ----------------------------------------------------------------------------- pure
+
+
+def _simulate(strategy: str, n: int, m: int) -> list[list[Action]]:
+    """Run every stage's schedule against the data dependencies; fails on a deadlock."""
+    plans = [schedule(strategy, j, n, m) for j in range(n)]
+    done: set[tuple[int, Action]] = set()
+    pos = [0] * n
+    while any(pos[j] < len(plans[j]) for j in range(n)):
+        moved = False
+        for j in range(n):
+            if pos[j] == len(plans[j]):
+                continue
+            a = plans[j][pos[j]]
+            if a.kind == "F":
+                ready = j == 0 or (j - 1, Action("F", a.mb)) in done
+            else:
+                ready = j == n - 1 or (j + 1, Action("B", a.mb)) in done
+            if ready:
+                done.add((j, a))
+                pos[j] += 1
+                moved = True
+        assert moved, f"{strategy} deadlocks with {n} stages, {m} micro-batches at {pos}"
+    return plans
+
+
+@pytest.mark.parametrize("strategy", ["pp-gpipe", "pp-1f1b"])
+def test_schedules_complete_and_bound_memory(strategy: str) -> None:
+    for n in range(1, 5):
+        for m in range(1, 7):
+            for j, actions in enumerate(_simulate(strategy, n, m)):
+                assert sorted(actions) == sorted(gpipe(j, n, m))  # each F and B exactly once
+                in_flight, peak = 0, 0
+                for a in actions:
+                    in_flight += 1 if a.kind == "F" else -1
+                    peak = max(peak, in_flight)
+                    assert in_flight >= 0
+                want = min(n - j, m) if strategy == "pp-1f1b" else m
+                assert peak == want, (strategy, n, m, j)
+
+
+def test_one_f_one_b_order() -> None:
+    assert [f"{a.kind}{a.mb}" for a in one_f_one_b(0, 3, 4)] == [
+        "F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3",
+    ]
+    assert [f"{a.kind}{a.mb}" for a in one_f_one_b(2, 3, 2)] == ["F0", "B0", "F1", "B1"]
+
+
+def test_split_microbatches() -> None:
+    ids = torch.arange(30).view(3, 10)
+    parts = split_microbatches([(ids, ids), (ids + 1, ids + 1)], 4)
+    assert [p[0].shape[0] for p in parts] == [2, 1, 2, 1]
+    assert torch.equal(torch.cat([p[0] for p in parts[:2]]), ids)
+    with pytest.raises(UserError, match="multiple of 2"):
+        split_microbatches([(ids, ids), (ids, ids)], 3)
+    with pytest.raises(UserError, match="cannot make 4"):
+        split_microbatches([(ids, ids)], 4)
+
+
+def test_runner_rejects_a_plan_for_another_cluster() -> None:
+    job = _job("pp-1f1b", ((0, 1), (1, 4)), tied=True, lora=False)
+    with pytest.raises(UserError, match="2 stages but 1 devices"):
+        PipelineRunner(job.model, job.pipeline, TPGroup(), job.optim)
+    single = dataclasses.replace(job.pipeline, devices=("a",), layer_ranges=((0, 3),))
+    with pytest.raises(UserError, match="covers 3 layers"):
+        PipelineRunner(job.model, single, TPGroup(), job.optim)
+    with pytest.raises(UserError, match="unknown pipeline strategy"):
+        PipelineRunner(job.model, job.pipeline, TPGroup(), job.optim, strategy="pp-zb")
+
+
+@pytest.mark.parametrize("strategy", ["pp-gpipe", "pp-1f1b"])
+def test_one_stage_matches_single_process(strategy: str) -> None:
+    job = _job(strategy, ((0, 4),), tied=True, lora=False)
+    runner = PipelineRunner(job.model, job.pipeline, TPGroup(), job.optim, strategy=strategy)
+    batches = job.data.steps(0)
+    losses = [runner.step(next(batches))[0] for _ in range(job.steps)]
+    _assert_same_run(losses, runner.gather_state(), _reference(job))
