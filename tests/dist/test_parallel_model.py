@@ -34,8 +34,9 @@ def _cfg(tied: bool, qk_norm: bool = False, bias: bool = False) -> ModelConfig:
 
 
 def _plan(cfg: ModelConfig, split: list[int]) -> Plan:
-    # attn gets exactly ``split`` KV groups; mlp and vocab proportional to it
-    p = Plan.from_shares(cfg, [max(s, 0.25) for s in split], mlp_chunk=8, vocab_chunk=8)
+    # attn gets exactly ``split`` KV groups; mlp and vocab proportional to it (so a 0 in
+    # ``split`` is a rank with no units of any segment: it only runs replicated work)
+    p = Plan.from_shares(cfg, [float(s) for s in split], mlp_chunk=8, vocab_chunk=8)
     return Plan(
         strategy="test", devices=p.devices, attn=tuple(split), mlp=p.mlp, vocab=p.vocab,
         mlp_chunk=8, vocab_chunk=8,

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from xronos.cli.common import add_model_arg, model_source, parse_shares
 from xronos.comm.launch import WorkerContext, launch
 from xronos.comm.mappings import TPGroup
-from xronos.data import check_vocab, resolve_tokenizer
+from xronos.data import check_vocab, encode_prompt, resolve_tokenizer
 from xronos.engine.generate import GenerateJob, generate_worker
+from xronos.engine.job import ModelSource
 from xronos.errors import UserError
+from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import Plan
 
 
@@ -29,14 +32,45 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
+def run_source(model: str, seed: int) -> tuple[ModelSource, str | None, str]:
+    """(weights source, checkpoint or None, base model name) for a preset, a Hugging Face
+    directory, or a run directory of ``xronos finetune`` (its latest checkpoint)."""
+    path = Path(model)
+    if not (path / "checkpoints").is_dir() and not (path / "COMPLETE").is_file():
+        return model_source(model, seed), None, model
+    from xronos.checkpoint import read_checkpoint_meta
+    from xronos.cli.export import checkpoint_of
+
+    ckpt = checkpoint_of(model)
+    meta = read_checkpoint_meta(ckpt)
+    saved = meta.get("extra", {}).get("model", {})
+    base = saved.get("dir") or saved.get("preset")
+    if not base:
+        raise UserError(f"{ckpt}: the checkpoint does not name its base model")
+    lora = meta.get("lora")
+    source = ModelSource.from_name(
+        base,
+        int(saved.get("seed", 0)),
+        LoRAConfig(
+            r=lora["r"],
+            alpha=lora["alpha"],
+            dropout=lora.get("dropout", 0.0),
+            target_modules=tuple(lora["target_modules"]),
+        )
+        if lora
+        else None,
+    )
+    return source, str(ckpt), base
+
+
 def run(args: argparse.Namespace) -> int:
     shares = parse_shares(args.shares, args.devices)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    source = model_source(args.model, args.seed)
-    tok = resolve_tokenizer(args.model)
+    source, checkpoint, base = run_source(args.model, args.seed)
+    tok = resolve_tokenizer(base)
     check_vocab(tok, source.cfg.vocab_size)
-    prompt = tuple(tok.encode(args.prompt, add_special_tokens=True))
+    prompt = tuple(encode_prompt(tok, args.prompt))  # as training sequences start
     if not prompt:
         raise UserError("--prompt is empty after tokenisation; give some text")
     if len(prompt) + args.max_new_tokens > source.cfg.max_position_embeddings:
@@ -49,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     devices = [f"dev{i}" for i in range(args.devices)]
     plan = Plan.from_shares(source.cfg, shares, devices, strategy="shares")
     job = GenerateJob(
+        checkpoint=checkpoint,
         model=source,
         plan=plan,
         prompts=(prompt,),

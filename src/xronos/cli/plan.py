@@ -1,9 +1,60 @@
-"""``xronos plan``."""
+"""``xronos plan``: the planner as a command — profiles in, a plan (table + JSON) out."""
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
 from typing import Any
+
+from xronos.engine.job import ModelSource
+from xronos.errors import UserError
+from xronos.planner import plan_even, plan_pipeline, plan_tp, predict
+from xronos.profiler.profile import load_profiles
+from xronos.utils import atomic_write_text
 
 
 def register(sub: Any) -> None:
-    pass
+    p = sub.add_parser("plan", help="plan the split of every segment from a profile")
+    p.add_argument("--profile", required=True, help="profile.json from `xronos profile`")
+    p.add_argument("--model", help="preset or directory (default: the profiled model)")
+    p.add_argument(
+        "--strategy",
+        default="xronos",
+        choices=("xronos", "tp-even", "pp"),
+        help="xronos (default), Megatron's even split, or the pipeline stage plan",
+    )
+    p.add_argument("--out", help="write the plan as JSON here")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    profiles, meta = load_profiles(args.profile)
+    model = args.model or meta.get("model")
+    if not model:
+        raise UserError(f"{args.profile} does not name its model; pass --model")
+    cfg = ModelSource.from_name(model).cfg
+    chunks = {"mlp_chunk": meta.get("mlp_chunk"), "vocab_chunk": meta.get("vocab_chunk")}
+    if args.strategy == "pp":
+        from xronos.engine.bench import pipeline_microbatches, stage_costs
+
+        m = pipeline_microbatches(int(meta.get("batch_size", 1)), len(profiles), None)
+        pplan = plan_pipeline(cfg.num_layers, stage_costs(profiles, cfg, m), m)
+        print(pplan.table())
+        text = pplan.to_json()
+    else:
+        plan = (
+            plan_tp(cfg, profiles, **chunks)
+            if args.strategy == "xronos"
+            else plan_even(cfg, profiles)
+        )
+        pred = predict(plan, profiles)
+        print(plan.table())
+        print(
+            f"predicted step {pred['step_time_s']:.4f} s, idle ratio mean "
+            f"{pred['idle_ratio_mean']:.1%} (max {pred['idle_ratio_max']:.1%})"
+        )
+        text = plan.to_json()
+    if args.out:
+        atomic_write_text(Path(args.out), text)
+        print(f"wrote {args.out}")
+    return 0

@@ -1,9 +1,106 @@
-"""``xronos worker``."""
+"""``xronos worker``: one device of a real multi-machine run, started by ``torchrun``.
+
+Every machine runs the same command with the same options and data files::
+
+    torchrun --nnodes 3 --nproc-per-node 1 --node-rank K \\
+        --rdzv-backend c10d --rdzv-endpoint HUB_ADDRESS:29500 \\
+        -m xronos worker --model ./Qwen2.5-0.5B --data ./home.jsonl --out runs/home
+
+``torchrun`` provides RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; Xronos joins a gloo
+group through them (``env://``), profiles each machine, plans, and trains exactly as
+``xronos finetune`` does on emulated devices. Rank 0 prints the progress and writes the
+run directory; name a machine with ``XRONOS_DEVICE`` (default: host name + local rank).
+"""
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import os
+import socket
+from dataclasses import replace
 from typing import Any
+
+import torch.distributed as dist
+
+from xronos.cli.finetune import _add_flag
+from xronos.errors import UserError
+from xronos.runconfig import build_config, config_fields, field_docs, load_toml
 
 
 def register(sub: Any) -> None:
-    pass
+    import typing
+
+    from xronos.runconfig import RunConfig
+
+    p = sub.add_parser(
+        "worker",
+        help="one device of a multi-machine run (start it with torchrun)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", help="TOML file with the finetune options ([finetune] table)")
+    docs, hints = field_docs(), typing.get_type_hints(RunConfig)
+    for f in config_fields():
+        if f.name not in ("cluster", "emulate", "resume"):
+            _add_flag(p, f, hints[f.name], docs.get(f.name, ""))
+    p.set_defaults(run=run)
+
+
+class _Direct:
+    """Rank 0's event channel when there is no parent process: events go to the monitor."""
+
+    def __init__(self, monitor: Any) -> None:
+        self.monitor = monitor
+
+    def put(self, item: tuple[str, int, dict[str, Any]]) -> None:
+        self.monitor.on_event(item[1], item[2])
+
+
+def run(args: argparse.Namespace) -> int:
+    from xronos.comm.launch import WorkerContext
+    from xronos.comm.mappings import TPGroup
+    from xronos.emulation import ClusterSpec, DeviceSpec
+    from xronos.engine.finetune import finetune_worker
+    from xronos.engine.report import RunMonitor
+    from xronos.engine.run import accuracy, prepare, write_config
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise UserError(
+            "xronos worker runs under torchrun (RANK/WORLD_SIZE are not set); "
+            "on one machine use `xronos finetune`"
+        )
+    flags = {f.name: getattr(args, f.name, None) for f in config_fields()}
+    cfg = build_config(load_toml(args.config) if args.config else {}, flags)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=cfg.timeout)
+    dist.init_process_group(
+        "gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout
+    )
+    try:
+        me = os.environ.get("XRONOS_DEVICE") or (
+            f"{socket.gethostname()}-{os.environ.get('LOCAL_RANK', '0')}"
+        )
+        names: list[Any] = [None] * world
+        dist.all_gather_object(names, me)
+        threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or (os.cpu_count() or 1)
+        cluster = ClusterSpec(
+            name="torchrun", devices=tuple(DeviceSpec(name=n, cores=threads) for n in names)
+        )
+        prep = prepare(replace(cfg, emulate=False), cluster=cluster)
+        ctx = WorkerContext(rank, world, me, TPGroup.from_default(), cfg.timeout, tuple(names))
+        monitor = None
+        if rank == 0:
+            write_config(prep)
+            monitor = RunMonitor(
+                prep.run_dir,
+                prep.job.steps,
+                lambda g: accuracy(prep.tokenizer, g, prep.eval_refs),
+            )
+            ctx.channel = _Direct(monitor)
+        result = finetune_worker(ctx, prep.job)
+        if monitor is not None:
+            print(monitor.finish(result))
+    finally:
+        dist.destroy_process_group()
+    return 0

@@ -224,6 +224,7 @@ def checkpoint_extra(job: FinetuneJob, batcher: Batcher, step: int) -> dict[str,
         "step": step,
         "data": batcher.state_dict(),
         "model": {
+            "preset": None if job.source.model_dir else job.source.name,
             "dir": job.source.model_dir,
             "seed": job.source.seed,
             "config": job.source.cfg.to_hf_dict(),

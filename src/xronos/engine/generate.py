@@ -26,6 +26,8 @@ class GenerateJob:
     max_new_tokens: int
     eos_ids: tuple[int, ...] = ()
     """Stop a prompt's continuation after emitting one of these (it is kept)."""
+    checkpoint: str | None = None
+    """A fine-tuning checkpoint whose weights replace the source's (resharded to ``plan``)."""
 
 
 @torch.no_grad()
@@ -49,6 +51,17 @@ def greedy(
 
 def generate_worker(ctx: WorkerContext, job: GenerateJob) -> list[list[int]]:
     model = build_for(job.model, job.plan, ctx.group)
+    if job.checkpoint is not None:
+        from xronos.checkpoint import load_checkpoint
+
+        load_checkpoint(
+            job.checkpoint,
+            model=model,
+            trainer=None,
+            cfg=job.model.cfg,
+            plan=job.plan,
+            group=ctx.group,
+        )
     return [greedy(model, list(p), job.max_new_tokens, job.eos_ids) for p in job.prompts]
 
 

@@ -60,6 +60,8 @@ class ModelSource:
     """Preset master-weight seed and LoRA init seed."""
     lora: LoRAConfig | None = None
     """Adapters, or None for full fine-tuning."""
+    name: str = ""
+    """What the user called the model (a preset name or a path)."""
 
     @classmethod
     def from_name(cls, model: str, seed: int = 0, lora: LoRAConfig | None = None) -> ModelSource:
@@ -70,7 +72,7 @@ class ModelSource:
 
         cfg = resolve_model_config(model)
         model_dir = str(Path(model).resolve()) if Path(model).is_dir() else None
-        return cls(cfg=cfg, model_dir=model_dir, seed=seed, lora=lora)
+        return cls(cfg=cfg, model_dir=model_dir, seed=seed, lora=lora, name=model)
 
 
 @dataclass(frozen=True, kw_only=True)

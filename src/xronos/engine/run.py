@@ -12,7 +12,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,17 +100,16 @@ def _plan_for(cfg: RunConfig, source: ModelSource, cluster: ClusterSpec) -> Plan
     return None
 
 
-def prepare(cfg: RunConfig) -> Prepared:
-    """Resolve and check every input; nothing is started and nothing is written."""
+def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
+    """Resolve and check every input; nothing is started and nothing is written.
+    ``cluster`` overrides ``cfg.cluster`` (the machines of a torchrun run)."""
     source = ModelSource.from_name(cfg.model, cfg.seed)
     if cfg.seq_len > source.cfg.max_position_embeddings:
         raise UserError(
             f"--seq-len {cfg.seq_len} exceeds the model's context of "
             f"{source.cfg.max_position_embeddings} tokens; lower --seq-len"
         )
-    source = ModelSource(
-        cfg=source.cfg, model_dir=source.model_dir, seed=cfg.seed, lora=_lora(cfg, source)
-    )
+    source = replace(source, lora=_lora(cfg, source))
     tok = resolve_tokenizer(cfg.model)
     check_vocab(tok, source.cfg.vocab_size)
     train_ex, eval_ex = _examples(cfg, tok)
@@ -122,7 +121,7 @@ def prepare(cfg: RunConfig) -> Prepared:
         )
     evald = tokenize(eval_ex, tok, cfg.seq_len, truncation="drop") if eval_ex else None
     scored = [e for e in eval_ex if e.prompt and e.completion][: cfg.eval_size]
-    cluster = load_cluster(cfg.cluster)
+    cluster = cluster or load_cluster(cfg.cluster)
     if cfg.strategy == "single":
         fastest = max(cluster.devices, key=lambda d: d.capacity)
         cluster = ClusterSpec(name=f"{cluster.name}:{fastest.name}", devices=(fastest,))

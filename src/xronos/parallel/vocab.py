@@ -88,8 +88,9 @@ class VocabParallelHead(nn.Module):
 
     def loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.local_logits(h).float()
+        n = targets.numel()  # explicit: a rank may hold zero vocabulary rows
         return vocab_parallel_cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), self.v0, self.group
+            logits.reshape(n, logits.shape[-1]), targets.reshape(n), self.v0, self.group
         )
 
     def greedy(self, h: torch.Tensor) -> torch.Tensor:

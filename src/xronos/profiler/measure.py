@@ -168,6 +168,8 @@ class _Replicated(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
+        if not x.requires_grad:  # frozen (LoRA): gradients still flow back through the norms
+            x = x.detach().requires_grad_(True)
         for norm in self.norms:
             x = x + norm(x)
         return x

@@ -122,3 +122,9 @@ def share_profiles(mine: DeviceProfile, group: TPGroup) -> list[DeviceProfile]:
     out: list[Any] = [None] * group.size
     dist.all_gather_object(out, mine.to_dict(), group=group.pg)
     return [DeviceProfile.from_dict(d) for d in out]
+
+
+def profile_worker(ctx: Any, arg: tuple[Shape, int | None, str]) -> dict[str, Any]:
+    """Launcher entry: profile this device (inside its limits) and return the profile."""
+    shape, memory_cap, key = arg
+    return profile_self(ctx.device, shape, ctx.group, memory_cap, key).to_dict()

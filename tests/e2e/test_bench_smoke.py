@@ -1,0 +1,53 @@
+"""`xronos bench` smoke test: the contract of bench.json, not timings (those are in
+docs/benchmarks.md, measured by the full scenarios)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from xronos.cli import main
+
+KEYS = {
+    "step_time_s",
+    "step_time_s_all",
+    "tokens_per_s",
+    "idle_ratio_mean",
+    "idle_ratio_max",
+    "stall_ratio",
+    "efficiency",
+    "final_loss",
+    "peak_rss_mb",
+    "plan",
+    "per_device",
+}
+# Same seed, same data, same mathematics: per-step losses agree to fp32 reassociation.
+LOSS_RTOL = 1e-4
+
+
+@pytest.mark.slow
+def test_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    assert main(["bench", "--scenario", "smoke", "--out", str(out), "--no-cache"]) == 0
+    bench = json.loads((out / "bench.json").read_text())
+    assert {"scenario", "model", "devices", "ideal_step_time_s", "strategies"} <= bench.keys()
+    assert bench["ideal_step_time_s"] > 0
+    strategies = bench["strategies"]
+    assert set(strategies) == {"xronos", "tp-even", "pp-gpipe", "pp-1f1b", "single"}
+    for name, entry in strategies.items():
+        assert entry.keys() >= KEYS, name
+        assert 0 <= entry["idle_ratio_mean"] <= entry["idle_ratio_max"] <= 1, name
+        for dev in entry["per_device"]:
+            assert {"name", "compute_s", "transfer_s", "idle_s"} <= dev.keys()
+            assert min(dev["compute_s"], dev["transfer_s"], dev["idle_s"]) >= 0
+    # ci-2dev: "fast" at full quota, "slow" at 40 %: the slow device gets fewer units
+    plan = strategies["xronos"]["plan"]
+    assert plan["devices"] == ["fast", "slow"]
+    for seg in ("attn", "mlp", "vocab"):
+        assert plan[seg][1] < plan[seg][0], seg
+    ref = strategies["single"]["losses"]
+    for name in ("xronos", "tp-even", "pp-gpipe", "pp-1f1b"):
+        assert strategies[name]["losses"] == pytest.approx(ref, rel=LOSS_RTOL), name
+    assert (out / "bench.png").stat().st_size > 0

@@ -1,0 +1,140 @@
+"""`xronos finetune` end to end: resume (also onto another cluster), NaN stop, export,
+generate from a run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from xronos.cli import main
+
+SMALL = [
+    "--train-size",
+    "96",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "48",
+    "--eval-size",
+    "2",
+    "--max-new-tokens",
+    "4",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "2",
+    "--no-emulate",
+]
+# Losses of a resumed run equal the uninterrupted run's: same data order (the batcher's
+# position is in the checkpoint), same optimizer state. Onto another plan only the order of
+# the all-reduce sums changes: 1e-4 relative (DESIGN §3).
+LOSS_RTOL = 1e-4
+
+
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _ok(*argv: str) -> None:
+    assert main(list(argv)) == 0
+
+
+@pytest.mark.slow
+def test_resume_matches_uninterrupted_and_reshards(tmp_path: Path) -> None:
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    common = [*SMALL, "--cluster", "ci-2dev", "--strategy", "tp-even"]
+    _ok("finetune", *common, "--steps", "6", "--save-every", "3", "--out", str(whole))
+    _ok("finetune", *common, "--steps", "3", "--out", str(part))
+    # continue on three devices under the Xronos plan: a 2-device checkpoint, resharded
+    _ok(
+        "finetune",
+        "--resume",
+        str(part),
+        "--steps",
+        "6",
+        "--cluster",
+        "default",
+        "--strategy",
+        "xronos",
+        "--no-emulate",
+    )
+    want, got = _losses(whole), _losses(part)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+        assert got[step] == pytest.approx(want[step], rel=LOSS_RTOL), step
+    assert want[6] < want[1], "the run should learn"
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "nan"
+    code = main(
+        [
+            "finetune",
+            *SMALL,
+            "--cluster",
+            "ci-2dev",
+            "--steps",
+            "8",
+            "--save-every",
+            "1",
+            "--lr",
+            "1e30",
+            "--max-grad-norm",
+            "0",
+            "--warmup-steps",
+            "0",
+            "--out",
+            str(run),
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2, err
+    assert "at step" in err and "last good checkpoint is" in err, err
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts and all((run / "checkpoints" / c / "COMPLETE").is_file() for c in ckpts)
+
+
+@pytest.mark.slow
+def test_export_and_generate_from_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from xronos.data import encode_prompt, resolve_tokenizer
+
+    run = tmp_path / "lora"
+    _ok(
+        "finetune",
+        *SMALL,
+        "--cluster",
+        "ci-2dev",
+        "--steps",
+        "3",
+        "--no-full",
+        "--lora-rank",
+        "4",
+        "--out",
+        str(run),
+    )
+    text = "command: lights off in the kitchen\naction:"
+    prompt = ["--prompt", text, "--max-new-tokens", "6"]
+    capsys.readouterr()
+    _ok("generate", "--model", str(run), *prompt, "--ids")
+    one = capsys.readouterr().out.strip()
+    _ok("generate", "--model", str(run), *prompt, "--ids", "--devices", "2", "--shares", "3,1")
+    assert capsys.readouterr().out.strip() == one
+
+    _ok("export", str(run), "--format", "hf", "--out", str(tmp_path / "hf"))
+    _ok("export", str(run), "--format", "peft", "--out", str(tmp_path / "adapter"))
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.tensor([encode_prompt(resolve_tokenizer("tiny"), text)])
+    with torch.no_grad():
+        out = merged.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    # the merged export continues the prompt exactly as Xronos does from the run directory
+    assert " ".join(map(str, out[0, ids.shape[1] :].tolist())) == one
