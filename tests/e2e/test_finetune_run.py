@@ -138,3 +138,32 @@ def test_export_and_generate_from_a_run(tmp_path: Path, capsys: pytest.CaptureFi
         out = merged.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     # the merged export continues the prompt exactly as Xronos does from the run directory
     assert " ".join(map(str, out[0, ids.shape[1] :].tolist())) == one
+
+
+@pytest.mark.slow
+def test_every_strategy_follows_the_same_losses(tmp_path: Path) -> None:
+    """Same data, same seed, same mathematics: the pipeline and tensor-parallel strategies
+    of `xronos finetune` reproduce the single-device losses."""
+    runs = {}
+    for strategy in ("single", "xronos", "pp-gpipe", "pp-1f1b"):
+        runs[strategy] = tmp_path / strategy
+        _ok(
+            "finetune",
+            *SMALL,
+            "--cluster",
+            "ci-2dev",
+            "--strategy",
+            strategy,
+            "--steps",
+            "3",
+            "--eval-size",
+            "0",
+            "--out",
+            str(runs[strategy]),
+        )
+    want = _losses(runs["single"])
+    for strategy, run in runs.items():
+        got = _losses(run)
+        assert got.keys() == want.keys(), strategy
+        for step, loss in want.items():
+            assert got[step] == pytest.approx(loss, rel=LOSS_RTOL), (strategy, step)

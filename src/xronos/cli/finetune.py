@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 from typing import Any
 
-from xronos.errors import UserError
 from xronos.runconfig import RunConfig, build_config, config_fields, field_docs, load_toml
 
 
@@ -84,7 +84,10 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(summary)
     if results[0].get("stopped"):
-        raise UserError(
-            f"stopped at step {results[0]['step']}; resume with --resume {prep.run_dir}"
+        print(
+            f"xronos: interrupted at step {results[0]['step']}; checkpoint saved; continue "
+            f"with: xronos finetune --resume {prep.run_dir}",
+            file=sys.stderr,
         )
+        return 130
     return 0

@@ -19,6 +19,7 @@ import pickle
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -138,6 +139,7 @@ def launch(
     host: str = "127.0.0.1",
     on_start: Callable[[int, int], None] | None = None,
     on_event: Callable[[int, dict[str, Any]], None] | None = None,
+    stop_signal: int | None = None,
 ) -> list[Any]:
     """Run ``fn(ctx, args[rank])`` in one process per device and return the results.
 
@@ -150,6 +152,9 @@ def launch(
         host: address the store listens on; loopback unless a multi-host address is given.
         on_start: called as ``on_start(rank, pid)`` once each worker has started.
         on_event: called as ``on_event(rank, event)`` for each ``ctx.emit(event)``.
+        stop_signal: on the first Ctrl-C, send this signal to every worker and keep
+            collecting (workers that handle it stop cleanly, e.g. after a checkpoint); a
+            second Ctrl-C stops them at once. None: the first Ctrl-C stops them at once.
     Raises:
         UserError: a worker found a mistake in the user's input.
         WorkerError: a worker failed or died; the message names its device.
@@ -183,7 +188,7 @@ def launch(
             procs.append(p)
             if on_start is not None and p.pid is not None:
                 on_start(rank, p.pid)
-        return _collect(procs, results, devices, on_event)
+        return _collect(procs, results, devices, on_event, stop_signal)
     finally:
         _stop_all(procs)
         results.close()
@@ -195,11 +200,23 @@ def _collect(
     results: Any,
     devices: tuple[str, ...],
     on_event: Callable[[int, dict[str, Any]], None] | None,
+    stop_signal: int | None = None,
 ) -> list[Any]:
     out: dict[int, Any] = {}
     while len(out) < len(procs):
         try:
             kind, rank, payload = results.get(timeout=0.2)
+        except KeyboardInterrupt:
+            if stop_signal is None:
+                raise
+            print(
+                "xronos: stopping at the end of this step (Ctrl-C again to abort)", file=sys.stderr
+            )
+            for p in procs:
+                if p.is_alive() and p.pid is not None:
+                    os.kill(p.pid, stop_signal)
+            stop_signal = None
+            continue
         except queue.Empty:
             for rank, p in enumerate(procs):
                 if rank not in out and p.exitcode is not None:
@@ -218,9 +235,20 @@ def _collect(
         elif kind == "user":
             raise UserError(payload)
         else:
+            _raise_root_cause(procs, devices, rank)
             first, _, tb = payload.partition("\n")
             raise WorkerError(f"device {devices[rank]!r} (rank {rank}) failed: {first}", tb)
     return [out[r] for r in range(len(procs))]
+
+
+def _raise_root_cause(procs: list[Any], devices: tuple[str, ...], reporter: int) -> None:
+    """A worker whose collective failed is often the victim of another that died: name
+    the dead one, which is the cause, if there is one."""
+    time.sleep(0.3)
+    for rank, p in enumerate(procs):
+        if rank != reporter and p.exitcode not in (None, 0):
+            reason = _exit_reason(p.exitcode)
+            raise WorkerError(f"device {devices[rank]!r} (rank {rank}) died: {reason}")
 
 
 def _exit_reason(code: int) -> str:

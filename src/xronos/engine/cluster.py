@@ -26,6 +26,7 @@ def run_on_cluster(
     timeout_s: float = 300.0,
     cpu_period_us: int = 2_500,
     on_event: Callable[[int, dict[str, Any]], None] | None = None,
+    stop_signal: int | None = None,
     report: Callable[[str], None] | None = None,
 ) -> list[Any]:
     """``fn(ctx, args[rank])`` on one process per device of ``cluster``.
@@ -37,7 +38,9 @@ def run_on_cluster(
     devices = [d.name for d in cluster.devices]
     say = report or (lambda line: print(line, file=sys.stderr))
     if not emulate:
-        return launch(fn, args, devices, timeout_s=timeout_s, on_event=on_event)
+        return launch(
+            fn, args, devices, timeout_s=timeout_s, on_event=on_event, stop_signal=stop_signal
+        )
     with Emulator(cluster, new_run_id(), network=network, period_us=cpu_period_us) as emu:
         for line in emu.report():
             say(line)
@@ -51,4 +54,5 @@ def run_on_cluster(
             host=host,
             on_start=emu.attach,
             on_event=on_event,
+            stop_signal=stop_signal,
         )

@@ -21,14 +21,14 @@ import torch.distributed as dist
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
 from xronos.data import Batcher, TokenizedDataset
+from xronos.engine.calibrate import plan_with_calibration
 from xronos.engine.generate import greedy_many
 from xronos.engine.job import ModelSource
-from xronos.engine.trainer import OptimConfig, Trainer
+from xronos.engine.trainer import Batch, OptimConfig, Trainer
 from xronos.engine.worker import build_for, gather_records
 from xronos.errors import UserError
 from xronos.metrics.recorder import SpanRecorder, use_recorder
 from xronos.model.llama import LlamaForCausalLM
-from xronos.planner import plan_tp
 from xronos.planner.plan import Plan
 from xronos.profiler.measure import Shape
 from xronos.profiler.profile import DeviceProfile
@@ -86,27 +86,23 @@ def _agree_stop(group: TPGroup) -> bool:
     return bool(flag.item() > 0)
 
 
-def make_plan(ctx: WorkerContext, job: FinetuneJob) -> tuple[Plan, list[DeviceProfile] | None]:
-    if job.plan is not None:
-        return job.plan, list(job.profiles) if job.profiles else None
+def make_plan(
+    ctx: WorkerContext, job: FinetuneJob, first: list[Batch]
+) -> tuple[Plan, LlamaForCausalLM]:
+    """The given plan, or profile + plan + calibrate on the devices (``xronos``)."""
     t0 = time.perf_counter()
-    profiles = (
-        list(job.profiles)
-        if job.profiles
-        else share_profiles(
-            profile_self(
-                ctx.device,
-                job.shape,
-                ctx.group,
-                job.memory_caps[ctx.rank],
-                job.profile_keys[ctx.rank],
-            ),
+    if job.plan is not None:
+        plan, model = job.plan, build_for(job.source, job.plan, ctx.group)
+        profiles: list[DeviceProfile] = []
+    else:
+        plan, profiles, model = plan_with_calibration(
+            job.source,
+            device_profiles(ctx, job),
             ctx.group,
+            first,
+            mlp_chunk=job.shape.mlp_chunk,
+            vocab_chunk=job.shape.vocab_chunk,
         )
-    )
-    plan = plan_tp(
-        job.source.cfg, profiles, mlp_chunk=job.shape.mlp_chunk, vocab_chunk=job.shape.vocab_chunk
-    )
     if ctx.rank == 0:
         ctx.emit(
             {
@@ -115,9 +111,20 @@ def make_plan(ctx: WorkerContext, job: FinetuneJob) -> tuple[Plan, list[DevicePr
                 "seconds": time.perf_counter() - t0,
                 "profiles": [p.to_dict() for p in profiles],
                 "cached": bool(job.profiles),
+                "given": job.plan is not None,
             }
         )
-    return plan, profiles
+    return plan, model
+
+
+def device_profiles(ctx: WorkerContext, job: FinetuneJob) -> list[DeviceProfile]:
+    """The cached profiles, or every device's own measurement, shared."""
+    if job.profiles:
+        return list(job.profiles)
+    mine = profile_self(
+        ctx.device, job.shape, ctx.group, job.memory_caps[ctx.rank], job.profile_keys[ctx.rank]
+    )
+    return share_profiles(mine, ctx.group)
 
 
 @torch.no_grad()
@@ -144,25 +151,57 @@ def evaluate(model: LlamaForCausalLM, job: FinetuneJob) -> tuple[float, list[lis
     return loss, generated
 
 
+class TPSession:
+    """This rank's shard, its optimizer and its plan (tensor-parallel strategies)."""
+
+    def __init__(self, ctx: WorkerContext, job: FinetuneJob, first: list[Batch]) -> None:
+        self.ctx, self.job = ctx, job
+        self.plan, self.model = make_plan(ctx, job, first)
+        self.trainer = Trainer(self.model, job.source.cfg, self.plan, ctx.group, job.optim)
+
+    def step(self, micro: list[Batch]) -> tuple[float, float]:
+        return self.trainer.step(micro)
+
+    def lr(self) -> float:
+        return self.trainer.lr_now()
+
+    def save(self, batcher: Batcher, step: int) -> str:
+        return _save(self.ctx, self.job, self.model, self.trainer, self.plan, batcher, step)
+
+    def resume(self, batcher: Batcher) -> int:
+        return _resume(self.job, self.model, self.trainer, self.plan, self.ctx.group, batcher)
+
+    def evaluate(self, step: int, when: str) -> None:
+        _emit_eval(self.ctx, self.model, self.job, step, when)
+
+    def describe(self) -> dict[str, Any]:
+        return self.plan.to_dict()
+
+
 def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> dict[str, Any]:
     signal.signal(signal.SIGUSR1, _request_stop)
     torch.manual_seed(job.seed)
-    group, cfg = ctx.group, job.source.cfg
-    plan, _ = make_plan(ctx, job)
-    model = build_for(job.source, plan, group)
-    trainer = Trainer(model, cfg, plan, group, job.optim)
+    group = ctx.group
     batcher = Batcher(job.train, job.batch_size, seed=job.seed, pad_id=job.pad_id)
+    first = [batcher.collate(batcher.order(0)[: job.batch_size])]
+    session: Any
+    if job.strategy.startswith("pp-"):
+        from xronos.engine.finetune_pp import PipelineSession
+
+        session = PipelineSession(ctx, job)
+    else:
+        session = TPSession(ctx, job, first)
     state = FinetuneState()
     if job.resume:
-        state.step = _resume(job, model, trainer, plan, group, batcher)
+        state.step = session.resume(batcher)
     if state.step == 0 and (job.eval is not None or job.eval_prompts):
-        _emit_eval(ctx, model, job, 0, "before")
+        session.evaluate(0, "before")
     recorder = SpanRecorder(ctx.rank, ctx.device, enabled=group.size > 1)
     while state.step < job.steps and not state.stop:
         micro = [batcher.next_batch() for _ in range(job.grad_accum)]
         recorder.start_step(state.step)
         with use_recorder(recorder):
-            loss, norm = trainer.step(micro)
+            loss, norm = session.step(micro)
         records = gather_records(recorder.end_step(), group, ctx.world_size)
         if not math.isfinite(loss):
             where = state.last_checkpoint or "none was written yet"
@@ -179,23 +218,23 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> dict[str, Any]:
                     "loss": loss,
                     "grad_norm": norm,
                     "tokens": sum(int((lb != -100).sum()) for _, lb in micro),
-                    "lr": trainer.lr_now(),
+                    "lr": session.lr(),
                     "records": [r.to_dict() for r in records],
                 }
             )
         state.stop = _agree_stop(group)
         if job.save_every and state.step % job.save_every == 0 and state.step < job.steps:
-            state.last_checkpoint = _save(ctx, job, model, trainer, plan, batcher, state.step)
+            state.last_checkpoint = session.save(batcher, state.step)
         if job.eval_every and state.step % job.eval_every == 0 and state.step < job.steps:
-            _emit_eval(ctx, model, job, state.step, "during")
-    state.last_checkpoint = _save(ctx, job, model, trainer, plan, batcher, state.step)
+            session.evaluate(state.step, "during")
+    state.last_checkpoint = session.save(batcher, state.step)
     if not state.stop:
-        _emit_eval(ctx, model, job, state.step, "after")
+        session.evaluate(state.step, "after")
     return {
         "step": state.step,
         "stopped": state.stop,
         "checkpoint": state.last_checkpoint,
-        "plan": plan.to_dict(),
+        "plan": session.describe(),
     }
 
 

@@ -13,7 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from xronos.metrics import MetricsWriter, analyze_step, write_trace
+from xronos.metrics import (
+    MetricsWriter,
+    analyze_pipeline_step,
+    analyze_step,
+    is_pipeline,
+    write_trace,
+)
 from xronos.metrics.records import StepRecord
 from xronos.planner.plan import Plan
 from xronos.utils import atomic_write_text
@@ -47,17 +53,42 @@ class RunMonitor:
         self.every = max(1, total_steps // 20)
         self.tb = _tensorboard(run_dir) if tensorboard else None
         self.started = time.perf_counter()
+        self.bar: Any = None
+        if getattr(self.out, "isatty", lambda: False)():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+                transient=True,
+            )
+            self.task = self.bar.add_task("train", total=total_steps, status="starting")
 
     def say(self, line: str) -> None:
-        print(line, file=self.out, flush=True)
+        if self.bar is not None:
+            self.bar.console.print(line)
+        else:
+            print(line, file=self.out, flush=True)
 
     def on_event(self, rank: int, ev: dict[str, Any]) -> None:
         kind = ev.get("kind")
         if kind == "plan":
             self.plan, self.plan_s = Plan.from_dict(ev["plan"]), ev["seconds"]
-            src = "cached profile" if ev.get("cached") else "profiled"
-            self.say(f"plan ({src} + calibrated in {ev['seconds']:.1f} s):\n{self.plan.table()}")
+            if ev.get("given"):
+                how = f"{self.plan.strategy}, given"
+            else:
+                src = "cached profile" if ev.get("cached") else "profiled"
+                how = f"{src} + calibrated in {ev['seconds']:.1f} s"
+            self.say(f"plan ({how}):\n{self.plan.table()}")
             atomic_write_text(self.run_dir / "plan.json", self.plan.to_json())
+        elif kind == "pipeline":
+            from xronos.planner import PipelinePlan
+
+            pplan = PipelinePlan.from_dict(ev["plan"])
+            self.say(f"pipeline stages:\n{pplan.table()}")
+            atomic_write_text(self.run_dir / "plan.json", pplan.to_json())
         elif kind == "step":
             self._step(ev)
         elif kind == "eval":
@@ -72,7 +103,7 @@ class RunMonitor:
         records = [StepRecord.from_dict(r) for r in ev.get("records", [])]
         idle: list[float] = []
         if len(records) > 1:
-            sm = analyze_step(records)
+            sm = analyze_pipeline_step(records) if is_pipeline(records) else analyze_step(records)
             idle = [d.idle_ratio for d in sm.devices]
             self.devices = [d.name for d in sm.devices]
             self.records = [*self.records[-(TRACE_STEPS - 1) :], records]
@@ -95,11 +126,14 @@ class RunMonitor:
         self.metrics.write(row)
         if self.tb is not None:
             self.tb.add_scalar("train/loss", loss, step)
-        if step % self.every == 0 or step == self.total:
-            idle_txt = " ".join(f"{x:.0%}" for x in idle) if idle else "-"
-            self.say(
-                f"step {step:>5}/{self.total}  loss {loss:.4f}  {tps:,.0f} tok/s  idle {idle_txt}"
-            )
+        idle_txt = " ".join(f"{x:.0%}" for x in idle) if idle else "-"
+        status = f"loss {loss:.4f}  {tps:,.0f} tok/s  idle {idle_txt}"
+        if self.bar is not None:
+            if not self.bar.live.is_started:
+                self.bar.start()
+            self.bar.update(self.task, completed=step, status=status)
+        elif step % self.every == 0 or step == self.total:
+            self.say(f"step {step:>5}/{self.total}  {status}")
 
     def _eval(self, ev: dict[str, Any]) -> None:
         acc = self.score(ev["generated"])
@@ -119,6 +153,8 @@ class RunMonitor:
         )
 
     def finish(self, result: dict[str, Any]) -> str:
+        if self.bar is not None:
+            self.bar.stop()
         self.metrics.close()
         wall = time.perf_counter() - self.started
         self._plots()

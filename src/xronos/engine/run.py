@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -205,6 +206,7 @@ def launch_job(prep: Prepared, on_event: Any) -> list[dict[str, Any]]:
         emulate=cfg.emulate,
         timeout_s=cfg.timeout,
         on_event=on_event,
+        stop_signal=signal.SIGUSR1,  # finetune workers stop after the step and checkpoint
     )
 
 

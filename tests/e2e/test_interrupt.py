@@ -1,0 +1,68 @@
+"""Ctrl-C during `xronos finetune`: every worker stops at a step boundary, a final
+checkpoint is written, and no emulation state (cgroups) is left behind."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from xronos.emulation.cgroups import detect
+
+ROOT = Path("/sys/fs/cgroup")
+
+
+def _xronos_cgroups() -> set[str]:
+    """Every cgroup directory Xronos made, at any depth a launcher's own cgroup may be."""
+    found: set[str] = set()
+    for depth in range(1, 5):
+        found |= {str(p) for p in ROOT.glob("/".join(["*"] * depth) + "/xronos-*")}
+    return found
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_and_cleans_up(tmp_path: Path) -> None:
+    if detect() is None:
+        pytest.skip("no writable cgroups here: the emulation teardown cannot be observed")
+    before = _xronos_cgroups()
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "xronos",
+        "finetune",
+        "--cluster",
+        "ci-2dev",
+        "--steps",
+        "400",
+        "--train-size",
+        "96",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "48",
+        "--eval-size",
+        "0",
+        "--out",
+        str(run),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    metrics = run / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and metrics.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted at step" in err and "--resume" in err, err
+    ckpts = sorted((run / "checkpoints").iterdir())
+    assert ckpts and (ckpts[-1] / "COMPLETE").is_file()
+    assert (run / "summary.md").is_file()
+    assert _xronos_cgroups() <= before, "emulation cgroups left behind"
