@@ -32,6 +32,9 @@ from xronos.profiler.profile import DeviceProfile
 from xronos.profiler.run import profile_self, share_profiles
 
 TP_STRATEGIES = ("xronos", "tp-even", "single")
+ISOLATED_REPEATS = 3
+"""Isolated re-runs of the last step per strategy; the stall ratio compares the mean
+isolated span with the mean of the same span over every counted step."""
 PP_STRATEGIES = ("pp-gpipe", "pp-1f1b")
 
 
@@ -162,7 +165,7 @@ def bench_worker(ctx: WorkerContext, job: BenchJob) -> dict[str, Any] | None:
         micro = next(batches)
         k = step % len(job.strategies)
         for name in job.strategies[k:] + job.strategies[:k]:
-            _run_step(name, runners[name], micro, step, ctx, logs[name])
+            _run_step(name, runners[name], micro, step, ctx, logs[name], step >= job.warmup)
     for name in job.strategies:
         _isolated(name, runners[name], micro, ctx, logs[name])
     pp_plans = {n: r.pplan.to_dict() for n, r in runners.items() if hasattr(r, "pplan")}  # type: ignore[union-attr]
@@ -191,6 +194,7 @@ def _run_step(
     step: int,
     ctx: WorkerContext,
     log: StrategyLog,
+    counted: bool,
 ) -> None:
     group = ctx.group
     _barrier(group)
@@ -210,8 +214,8 @@ def _run_step(
     if ctx.rank == 0:
         log.records.append(gathered)
         log.losses.append(losses[0])
-    if record is not None:
-        log.observed = (
+    if record is not None and counted:
+        log.observed += (
             compute_gaps(record) if name in TP_STRATEGIES else _ranked(record.computes, ctx.rank)
         )
 
@@ -223,15 +227,15 @@ def _isolated(
     ctx: WorkerContext,
     log: StrategyLog,
 ) -> None:
-    _barrier(ctx.group)
-    if name in TP_STRATEGIES:
-        trainer = runner if isinstance(runner, Trainer) else None
-        spans = _isolated_tp(trainer, trainer.group, micro, ctx.rank) if trainer else []
-        observed = log.observed
-    else:
-        spans = _ranked(runner.isolated_compute(micro), ctx.rank)  # type: ignore[union-attr]
-        observed = log.observed
-    both = _gather((observed, spans), ctx.group)
+    spans: list[Span] = []
+    for _ in range(ISOLATED_REPEATS):
+        _barrier(ctx.group)
+        if name in TP_STRATEGIES:
+            trainer = runner if isinstance(runner, Trainer) else None
+            spans += _isolated_tp(trainer, trainer.group, micro, ctx.rank) if trainer else []
+        else:
+            spans += _ranked(runner.isolated_compute(micro), ctx.rank)  # type: ignore[union-attr]
+    both = _gather((log.observed, spans), ctx.group)
     if ctx.rank == 0:
         log.observed = [s for o, _ in both for s in o]
         log.isolated = [s for _, i in both for s in i]

@@ -132,6 +132,17 @@ def rescale(
     return out
 
 
+def imbalance(plan: Plan, measured: list[dict[str, float]]) -> float:
+    """The largest relative spread, over segments, of the measured compute of the devices
+    that hold units of that segment: 0 = every barrier is reached together."""
+    worst = 0.0
+    for s in SEGMENTS:
+        times = [m[s] for i, m in enumerate(measured) if plan.split(s)[i] > 0]
+        if len(times) > 1 and max(times) > 0:
+            worst = max(worst, (max(times) - min(times)) / max(times))
+    return worst
+
+
 def calibrated_profiles(
     model: LlamaForCausalLM,
     plan: Plan,
@@ -141,12 +152,17 @@ def calibrated_profiles(
     steps: int = 1,
     warmup: int = 1,
     damping: float = 1.0,
-) -> list[DeviceProfile]:
-    """Run ``steps`` real passes of ``plan`` and return profiles rescaled to them (every
-    rank gets the same result: the measurements are shared)."""
+) -> tuple[list[DeviceProfile], float]:
+    """Run ``steps`` real passes of ``plan``; return profiles rescaled to them and the
+    measured imbalance (every rank gets the same result: the measurements are shared)."""
     with torch.enable_grad():
         mine = measure_plan(model, group, micro, steps, warmup)
-    return rescale(profiles, plan, _gather(mine, group), damping)
+    measured = _gather(mine, group)
+    return rescale(profiles, plan, measured, damping), imbalance(plan, measured)
+
+
+#: Calibration stops once no segment's barrier is reached with a larger spread than this.
+BALANCED = 0.04
 
 
 def plan_with_calibration(
@@ -160,8 +176,8 @@ def plan_with_calibration(
     rounds: int = 5,
 ) -> tuple[Plan, list[DeviceProfile], LlamaForCausalLM]:
     """Plan from ``profiles``, then up to ``rounds`` times: measure the plan for real,
-    rescale the profiles and plan again (stopping early once the plan is stable).
-    Returns the plan, the calibrated profiles and the model built for the plan."""
+    rescale the profiles and plan again — until the measured spread at every barrier is
+    within ``BALANCED``. Returns the plan, the calibrated profiles and its model."""
     from xronos.engine.worker import build_for
     from xronos.planner import plan_tp
 
@@ -171,13 +187,13 @@ def plan_with_calibration(
     plan = plan_of(profiles)
     model = build_for(source, plan, group)
     for r in range(rounds if group.size > 1 else 0):
-        profiles = calibrated_profiles(
-            model, plan, profiles, group, micro, warmup=1 if r == 0 else 0, damping=0.7
+        profiles, spread = calibrated_profiles(
+            model, plan, profiles, group, micro, warmup=1 if r == 0 else 0, damping=0.8
         )
-        new = plan_of(profiles)
-        if all(new.split(s) == plan.split(s) for s in SEGMENTS):
-            plan = new
+        if spread <= BALANCED:
             break
+        new = plan_of(profiles)
+        if any(new.split(s) != plan.split(s) for s in SEGMENTS):
+            model = build_for(source, new, group)
         plan = new
-        model = build_for(source, plan, group)
     return plan, profiles, model
