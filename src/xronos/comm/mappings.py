@@ -49,6 +49,19 @@ class TPGroup:
             if not self.dry:
                 dist.all_reduce(t, op=op, group=self.pg)
 
+    def barrier(self) -> None:
+        """Wait for every rank (bounded by the group's timeout; not recorded)."""
+        if self.size > 1:
+            dist.barrier(group=self.pg)
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (control data, not recorded)."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
     def all_gather(self, t: torch.Tensor, name: str) -> list[torch.Tensor]:
         """All-gather of equal-shaped tensors (gloo requires equal sizes on every rank)."""
         if self.size == 1:

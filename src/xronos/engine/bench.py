@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
@@ -65,19 +64,6 @@ class StrategyLog:
     losses: list[float] = field(default_factory=list)
     observed: list[Span] = field(default_factory=list)
     isolated: list[Span] = field(default_factory=list)
-
-
-def _barrier(group: TPGroup) -> None:
-    if group.size > 1:
-        dist.barrier(group=group.pg)
-
-
-def _gather(obj: Any, group: TPGroup) -> list[Any]:
-    if group.size == 1:
-        return [obj]
-    out: list[Any] = [None] * group.size
-    dist.all_gather_object(out, obj, group=group.pg)
-    return out
 
 
 def fastest_rank(profiles: list[DeviceProfile], plan: Plan) -> int:
@@ -172,7 +158,7 @@ def bench_worker(ctx: WorkerContext, job: BenchJob) -> dict[str, Any] | None:
     for r in runners.values():
         if hasattr(r, "close"):
             r.close()  # type: ignore[union-attr]
-    rss = _gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, group)
+    rss = group.gather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if ctx.rank != 0:
         return None
     return {
@@ -197,7 +183,7 @@ def _run_step(
     counted: bool,
 ) -> None:
     group = ctx.group
-    _barrier(group)
+    group.barrier()
     rec = SpanRecorder(ctx.rank, ctx.device, enabled=runner is not None)
     loss = float("nan")
     if runner is not None:
@@ -206,10 +192,10 @@ def _run_step(
             loss, _ = runner.step(micro)
     record = rec.end_step()
     if name == "single":
-        gathered = [r for r in _gather(record, group) if r is not None]
-        losses = [x for x in _gather(loss, group) if x == x]
+        gathered = [r for r in group.gather_object(record) if r is not None]
+        losses = [x for x in group.gather_object(loss) if x == x]
     else:
-        gathered = _gather(record, group)
+        gathered = group.gather_object(record)
         losses = [loss]
     if ctx.rank == 0:
         log.records.append(gathered)
@@ -229,13 +215,13 @@ def _isolated(
 ) -> None:
     spans: list[Span] = []
     for _ in range(ISOLATED_REPEATS):
-        _barrier(ctx.group)
+        ctx.group.barrier()
         if name in TP_STRATEGIES:
             trainer = runner if isinstance(runner, Trainer) else None
             spans += _isolated_tp(trainer, trainer.group, micro, ctx.rank) if trainer else []
         else:
             spans += _ranked(runner.isolated_compute(micro), ctx.rank)  # type: ignore[union-attr]
-    both = _gather((log.observed, spans), ctx.group)
+    both = ctx.group.gather_object((log.observed, spans))
     if ctx.rank == 0:
         log.observed = [s for o, _ in both for s in o]
         log.isolated = [s for _, i in both for s in i]

@@ -176,8 +176,9 @@ def plan_with_calibration(
     rounds: int = 5,
 ) -> tuple[Plan, list[DeviceProfile], LlamaForCausalLM]:
     """Plan from ``profiles``, then up to ``rounds`` times: measure the plan for real,
-    rescale the profiles and plan again — until the measured spread at every barrier is
-    within ``BALANCED``. Returns the plan, the calibrated profiles and its model."""
+    rescale the profiles and plan again — until the measured spread at every barrier has
+    been within ``BALANCED`` twice in a row. Returns the plan, the calibrated profiles and
+    the model built for the plan."""
     from xronos.engine.worker import build_for
     from xronos.planner import plan_tp
 
@@ -186,11 +187,13 @@ def plan_with_calibration(
 
     plan = plan_of(profiles)
     model = build_for(source, plan, group)
+    balanced = 0
     for r in range(rounds if group.size > 1 else 0):
         profiles, spread = calibrated_profiles(
-            model, plan, profiles, group, micro, warmup=1 if r == 0 else 0, damping=0.8
+            model, plan, profiles, group, micro, warmup=1 if r == 0 else 0, damping=0.7
         )
-        if spread <= BALANCED:
+        balanced = balanced + 1 if spread <= BALANCED else 0
+        if balanced == 2:  # twice in a row: one lucky measurement is not enough
             break
         new = plan_of(profiles)
         if any(new.split(s) != plan.split(s) for s in SEGMENTS):

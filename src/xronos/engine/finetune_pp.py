@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
@@ -66,10 +65,6 @@ class PipelineSession:
                     params[name].copy_(value)
         return model
 
-    def _barrier(self) -> None:
-        if self.ctx.world_size > 1:
-            dist.barrier(group=self.ctx.group.pg)
-
     def evaluate(self, step: int, when: str) -> None:
         model = self._whole()
         if model is not None:
@@ -77,7 +72,7 @@ class PipelineSession:
                 0, 1, self.ctx.device, TPGroup(), self.ctx.timeout_s, channel=self.ctx.channel
             )
             _emit_eval(solo, model, self.job, step, when)
-        self._barrier()
+        self.ctx.group.barrier()
 
     def save(self, batcher: Batcher, step: int) -> str:
         from pathlib import Path
@@ -99,7 +94,7 @@ class PipelineSession:
                 extra=checkpoint_extra(self.job, batcher, step),
             )
             self.ctx.emit({"kind": "checkpoint", "step": step, "path": str(path)})
-        self._barrier()
+        self.ctx.group.barrier()
         return str(path)
 
     def resume(self, batcher: Batcher) -> int:

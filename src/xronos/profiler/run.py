@@ -117,11 +117,7 @@ def profile_self(
 
 def share_profiles(mine: DeviceProfile, group: TPGroup) -> list[DeviceProfile]:
     """Every rank's profile on every rank, in rank order."""
-    if group.size == 1:
-        return [mine]
-    out: list[Any] = [None] * group.size
-    dist.all_gather_object(out, mine.to_dict(), group=group.pg)
-    return [DeviceProfile.from_dict(d) for d in out]
+    return [DeviceProfile.from_dict(d) for d in group.gather_object(mine.to_dict())]
 
 
 def profile_worker(ctx: Any, arg: tuple[Shape, int | None, str]) -> dict[str, Any]:
