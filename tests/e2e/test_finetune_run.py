@@ -167,3 +167,40 @@ def test_every_strategy_follows_the_same_losses(tmp_path: Path) -> None:
         assert got.keys() == want.keys(), strategy
         for step, loss in want.items():
             assert got[step] == pytest.approx(loss, rel=LOSS_RTOL), (strategy, step)
+
+
+@pytest.mark.slow
+def test_resume_of_an_incompatible_run_is_one_clear_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "full"
+    _ok(
+        "finetune",
+        *SMALL,
+        "--cluster",
+        "ci-2dev",
+        "--steps",
+        "2",
+        "--eval-size",
+        "0",
+        "--out",
+        str(run),
+    )
+    capsys.readouterr()
+    code = main(
+        [
+            "finetune",
+            "--resume",
+            str(run),
+            "--steps",
+            "4",
+            "--no-full",
+            "--lora-rank",
+            "4",
+            "--no-emulate",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert len(err) == 1 and err[0].startswith("xronos: error: "), err
+    assert "was written for full fine-tuning" in err[0] and "LoRA" in err[0], err
