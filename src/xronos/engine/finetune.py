@@ -202,7 +202,7 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> dict[str, Any]:
         recorder.start_step(state.step)
         with use_recorder(recorder):
             loss, norm = session.step(micro)
-        records = gather_records(recorder.end_step(), group, ctx.world_size)
+        records = gather_records(recorder.end_step(), group)
         if not math.isfinite(loss):
             where = state.last_checkpoint or "none was written yet"
             raise UserError(

@@ -17,23 +17,18 @@ and rank 0's :class:`PipelineResult` carries the losses, the per-step records (f
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from xronos.comm.launch import WorkerContext
-from xronos.comm.mappings import TPGroup
 from xronos.engine.job import ModelSource, TrainJob
 from xronos.engine.pipeline import PipelineRunner
 from xronos.engine.trainer import OptimConfig
-from xronos.engine.worker import TrainResult
-from xronos.errors import UserError
+from xronos.engine.worker import TrainResult, gather_records, run_steps
 from xronos.metrics.analysis import stall_ratio
-from xronos.metrics.recorder import SpanRecorder, use_recorder
-from xronos.metrics.records import Span, StepRecord, pack_records, unpack_records
+from xronos.metrics.records import Span, StepRecord
 from xronos.planner.pipeline import PipelinePlan
 
 
@@ -84,14 +79,6 @@ class PipelineResult(TrainResult):
     isolated: list[list[Span]] = field(default_factory=list)
 
 
-def _gather(records: list[StepRecord], group: TPGroup, max_events: int) -> list[StepRecord]:
-    """Every rank's records, on every rank (gloo needs equal sizes: pack to ``max_events``)."""
-    if group.size == 1:
-        return records
-    parts = group.all_gather(pack_records(records, max_events), "records")
-    return [r for p in parts for r in unpack_records(p)]
-
-
 def pipeline_worker(ctx: WorkerContext, job: PipelineJob) -> PipelineResult:
     """Build this rank's stage, run ``job.steps`` steps, then measure isolated compute."""
     torch.manual_seed(job.model.seed)
@@ -101,34 +88,14 @@ def pipeline_worker(ctx: WorkerContext, job: PipelineJob) -> PipelineResult:
     )
     m = job.pipeline.num_microbatches
     max_events = 6 * m + 8  # ≤ 2 computes + 4 p2p spans per micro-batch, tied, drain, norm
-    recorder = SpanRecorder(ctx.rank, ctx.device, enabled=job.record and group.size > 1)
     result = PipelineResult()
-    start = time.perf_counter()
-    batches = job.data.steps(0)
-    micro: list[Any] = []
-    for step in range(job.steps):
-        micro = next(batches)
-        recorder.start_step(step)
-        with use_recorder(recorder):
-            loss, norm = runner.step(micro)
-        rec = recorder.end_step()
-        records = _gather([rec], group, max_events) if rec is not None else []
-        if not math.isfinite(loss):
-            raise UserError(f"loss became {loss} at step {step}; lower --lr or check the data")
-        result.losses.append(loss)
-        result.grad_norms.append(norm)
-        if records and ctx.rank == 0:
-            result.records.append(records)
-        if ctx.rank == 0:
-            tokens = sum(int(ids.numel()) for ids, _ in micro)
-            ctx.emit({"step": step, "loss": loss, "grad_norm": norm, "tokens": tokens})
-    result.wall_s = time.perf_counter() - start
+    micro = run_steps(ctx, runner.step, job.data, job.steps, job.record, result, max_events)
     if job.record and group.size > 1 and job.isolated_runs > 0 and micro:
         spans = [s for _ in range(job.isolated_runs) for s in runner.isolated_compute(micro)]
         iso = StepRecord(
             ctx.rank, ctx.device, job.steps, spans[0].start, spans[-1].end, (), tuple(spans)
         )
-        gathered = _gather([iso], group, 2 * m * job.isolated_runs)
+        gathered = gather_records(iso, group, 2 * m * job.isolated_runs)
         if ctx.rank == 0:
             result.isolated = [list(r.computes) for r in sorted(gathered, key=lambda r: r.rank)]
     if job.return_state:

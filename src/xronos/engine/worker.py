@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
-from xronos.engine.job import ModelSource, TrainJob
-from xronos.engine.trainer import Trainer
+from xronos.engine.job import BatchSource, ModelSource, TrainJob
+from xronos.engine.trainer import Batch, Trainer
 from xronos.errors import UserError
 from xronos.metrics.recorder import SpanRecorder, use_recorder
 from xronos.metrics.records import StepRecord, pack_records, unpack_records
@@ -38,33 +39,40 @@ def build_for(source: ModelSource, plan: Plan, group: TPGroup) -> LlamaForCausal
     )
 
 
-def gather_records(rec: StepRecord | None, group: TPGroup, world: int) -> list[StepRecord]:
-    """Every rank's record of the same step, on every rank (outside the timed step)."""
+def gather_records(
+    rec: StepRecord | None, group: TPGroup, max_events: int = MAX_EVENTS
+) -> list[StepRecord]:
+    """Every rank's record of the same step, on every rank (outside the timed step; gloo
+    needs equal sizes, so each record is packed to ``max_events``)."""
     if rec is None:
         return []
     if group.size == 1:
         return [rec]
-    packed = pack_records([rec], MAX_EVENTS)
-    parts = group.all_gather(packed, "records")
+    parts = group.all_gather(pack_records([rec], max_events), "records")
     return [r for p in parts for r in unpack_records(p)]
 
 
-def train_worker(ctx: WorkerContext, job: TrainJob) -> TrainResult:
-    """Build this rank's shard, run ``job.steps`` optimizer steps, report progress."""
-    torch.manual_seed(job.model.seed)
-    group = ctx.group
-    model = build_for(job.model, job.plan, group)
-    trainer = Trainer(model, job.model.cfg, job.plan, group, job.optim)
-    recorder = SpanRecorder(ctx.rank, ctx.device, enabled=job.record and group.size > 1)
-    result = TrainResult()
+def run_steps(
+    ctx: WorkerContext,
+    step_fn: Callable[[list[Batch]], tuple[float, float]],
+    data: BatchSource,
+    steps: int,
+    record: bool,
+    result: TrainResult,
+    max_events: int = MAX_EVENTS,
+) -> list[Batch]:
+    """``steps`` optimizer steps of ``step_fn`` (a Trainer's or a pipeline runner's), each
+    recorded and reported to the parent; returns the last step's micro-batches."""
+    recorder = SpanRecorder(ctx.rank, ctx.device, enabled=record and ctx.group.size > 1)
     start = time.perf_counter()
-    batches = job.data.steps(0)
-    for step in range(job.steps):
+    batches = data.steps(0)
+    micro: list[Batch] = []
+    for step in range(steps):
         micro = next(batches)
         recorder.start_step(step)
         with use_recorder(recorder):
-            loss, norm = trainer.step(micro)
-        records = gather_records(recorder.end_step(), group, ctx.world_size)
+            loss, norm = step_fn(micro)
+        records = gather_records(recorder.end_step(), ctx.group, max_events)
         if not math.isfinite(loss):
             raise UserError(f"loss became {loss} at step {step}; lower --lr or check the data")
         result.losses.append(loss)
@@ -75,8 +83,18 @@ def train_worker(ctx: WorkerContext, job: TrainJob) -> TrainResult:
             tokens = sum(int(ids.numel()) for ids, _ in micro)
             ctx.emit({"step": step, "loss": loss, "grad_norm": norm, "tokens": tokens})
     result.wall_s = time.perf_counter() - start
+    return micro
+
+
+def train_worker(ctx: WorkerContext, job: TrainJob) -> TrainResult:
+    """Build this rank's shard, run ``job.steps`` optimizer steps, report progress."""
+    torch.manual_seed(job.model.seed)
+    model = build_for(job.model, job.plan, ctx.group)
+    trainer = Trainer(model, job.model.cfg, job.plan, ctx.group, job.optim)
+    result = TrainResult()
+    run_steps(ctx, trainer.step, job.data, job.steps, job.record, result)
     if job.return_state:
-        result.state = gather_state(model, job.model.cfg, job.plan, group)
+        result.state = gather_state(model, job.model.cfg, job.plan, ctx.group)
     return result
 
 
