@@ -1,0 +1,82 @@
+"""`xronos worker` under torchrun (the multi-machine entry point, here on one host)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xronos.cli import main
+
+ARGS = [
+    "--steps",
+    "3",
+    "--train-size",
+    "64",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "48",
+    "--eval-size",
+    "0",
+    "--strategy",
+    "tp-even",
+]
+
+
+def _losses(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.slow
+def test_torchrun_workers_train_like_one_process(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
+    res = subprocess.run(
+        [*torchrun, "-m", "xronos", "worker", *ARGS, "--out", str(tmp_path / "tr")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "tr" / "summary.md").is_file()
+    assert (
+        main(
+            [
+                "finetune",
+                *ARGS[:-2],
+                "--strategy",
+                "single",
+                "--no-emulate",
+                "--out",
+                str(tmp_path / "one"),
+            ]
+        )
+        == 0
+    )
+    # two ranks vs one: only the order of the all-reduce sums differs (fp32)
+    assert _losses(tmp_path / "tr") == pytest.approx(_losses(tmp_path / "one"), rel=1e-4)
+
+
+def test_worker_outside_torchrun_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["worker", "--steps", "1"]) == 2
+    assert "torchrun" in capsys.readouterr().err
