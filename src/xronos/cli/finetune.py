@@ -81,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
         monitor.finish({"step": monitor.losses[-1][0] if monitor.losses else 0})
         raise
     summary = monitor.finish(results[0])
+    if monitor.profiles and not prep.job.profiles:  # measured now: the next run skips it
+        from xronos.profiler.profile import DeviceProfile
+        from xronos.profiler.run import store_cached
+
+        store_cached([DeviceProfile.from_dict(p) for p in monitor.profiles])
     print()
     print(summary)
     if results[0].get("stopped"):

@@ -47,6 +47,8 @@ class RunMonitor:
         self.last_t: float | None = None
         self.records: list[list[StepRecord]] = []
         self.plan: Plan | None = None
+        self.profiles: list[dict[str, Any]] = []
+        """The devices' (calibrated) profiles, when this run measured them."""
         self.plan_s: float | None = None
         self.devices: list[str] = []
         self.checkpoint: str | None = None
@@ -76,6 +78,7 @@ class RunMonitor:
         kind = ev.get("kind")
         if kind == "plan":
             self.plan, self.plan_s = Plan.from_dict(ev["plan"]), ev["seconds"]
+            self.profiles = ev.get("profiles", [])
             if ev.get("given"):
                 how = f"{self.plan.strategy}, given"
             else:
