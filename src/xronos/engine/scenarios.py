@@ -61,9 +61,9 @@ SCENARIOS = {
         Scenario(
             name="smoke",
             cluster="ci-2dev",
-            model="tiny",
+            model="small",
             batch_size=4,
-            seq_len=32,
+            seq_len=16,
             steps=3,
             warmup=1,
             description="seconds-long check of the bench machinery (tests)",
