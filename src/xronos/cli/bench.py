@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from xronos.cli.common import model_source
 from xronos.emulation import load_cluster
 from xronos.engine.bench import PP_STRATEGIES, TP_STRATEGIES, BenchJob, bench_worker
 from xronos.engine.bench_report import build_report, write_outputs
 from xronos.engine.cluster import run_on_cluster
+from xronos.engine.job import ModelSource
 from xronos.engine.scenarios import SCENARIOS, get_scenario
 from xronos.engine.trainer import OptimConfig
 from xronos.errors import UserError
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--steps must be ≥ 1 and --warmup ≥ 0")
     strategies = parse_strategies(args.strategies)
     cluster = load_cluster(scenario.cluster)
-    source = model_source(scenario.model)
+    source = ModelSource.from_name(scenario.model)
     lora = LoRAConfig(r=scenario.lora_rank) if scenario.lora_rank else None
     cfg = source.cfg
     shape = Shape(

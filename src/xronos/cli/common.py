@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from xronos.engine.job import ModelSource
 from xronos.errors import UserError
 
 
@@ -27,10 +26,6 @@ def parse_shares(text: str | None, devices: int) -> list[float]:
     if any(not s > 0 for s in shares):
         raise UserError(f"--shares {text!r}: every share must be a positive number")
     return shares
-
-
-def model_source(model: str, seed: int = 0) -> ModelSource:
-    return ModelSource.from_name(model, seed)
 
 
 def add_model_arg(p: argparse.ArgumentParser, default: str | None = "tiny") -> None:

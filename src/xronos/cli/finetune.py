@@ -23,11 +23,17 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="TOML file with any of the options below ([finetune] table)")
-    docs = field_docs()
-    hints = typing.get_type_hints(RunConfig)
-    for f in config_fields():
-        _add_flag(p, f, hints[f.name], docs.get(f.name, ""))
+    add_config_flags(p)
     p.set_defaults(run=run)
+
+
+def add_config_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per RunConfig field (``grad_accum`` -> ``--grad-accum``), its help text
+    taken from the field's docstring."""
+    docs, hints = field_docs(), typing.get_type_hints(RunConfig)
+    for f in config_fields():
+        if f.name not in skip:
+            _add_flag(p, f, hints[f.name], docs.get(f.name, ""))
 
 
 def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field[Any], hint: Any, doc: str) -> None:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from xronos.cli.common import add_model_arg, model_source, parse_shares
+from xronos.cli.common import add_model_arg, parse_shares
 from xronos.comm.launch import WorkerContext, launch
 from xronos.comm.mappings import TPGroup
 from xronos.data import check_vocab, encode_prompt, resolve_tokenizer
@@ -37,7 +37,7 @@ def run_source(model: str, seed: int) -> tuple[ModelSource, str | None, str]:
     directory, or a run directory of ``xronos finetune`` (its latest checkpoint)."""
     path = Path(model)
     if not (path / "checkpoints").is_dir() and not (path / "COMPLETE").is_file():
-        return model_source(model, seed), None, model
+        return ModelSource.from_name(model, seed), None, model
     from xronos.checkpoint import read_checkpoint_meta
     from xronos.cli.export import checkpoint_of
 

@@ -23,16 +23,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from xronos.cli.finetune import _add_flag
+from xronos.cli.finetune import add_config_flags
 from xronos.errors import UserError
-from xronos.runconfig import build_config, config_fields, field_docs, load_toml
+from xronos.runconfig import build_config, config_fields, load_toml
 
 
 def register(sub: Any) -> None:
-    import typing
-
-    from xronos.runconfig import RunConfig
-
     p = sub.add_parser(
         "worker",
         help="one device of a multi-machine run (start it with torchrun)",
@@ -40,10 +36,7 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="TOML file with the finetune options ([finetune] table)")
-    docs, hints = field_docs(), typing.get_type_hints(RunConfig)
-    for f in config_fields():
-        if f.name not in ("cluster", "emulate", "resume"):
-            _add_flag(p, f, hints[f.name], docs.get(f.name, ""))
+    add_config_flags(p, skip=("cluster", "emulate", "resume"))
     p.set_defaults(run=run)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -90,4 +90,3 @@ class TrainJob:
     """Return the gathered final parameters (tests)."""
     record: bool = True
     """Record collective spans for the idle/transfer analysis."""
-    extra: dict[str, Any] = field(default_factory=dict)

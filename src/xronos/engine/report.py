@@ -6,7 +6,6 @@ end ``finish`` writes ``summary.md``, ``loss.png``, ``timeline.png`` and ``trace
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -225,7 +224,3 @@ def _tensorboard(run_dir: Path) -> Any:
             "--tensorboard needs the tensorboard package: pip install tensorboard"
         ) from None
     return SummaryWriter(str(run_dir / "tensorboard"))
-
-
-def dump_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, default=str))
