@@ -105,7 +105,7 @@ class Placement:
         return solve_segment(
             [p.segments[seg] for p in self.profiles],
             self.totals[seg],
-            replicated=[p.replicated_s * self.share[seg] for p in self.profiles],
+            replicated=[p.replicated_before(seg, self.share) for p in self.profiles],
             low=low,
             high=caps,
         )
@@ -117,7 +117,7 @@ class Placement:
     def evaluate(self, seg: str, units: Sequence[int]) -> SegmentSolution:
         """The times of a given split of ``seg``."""
         finish = tuple(
-            p.replicated_s * self.share[seg] + p.segments[seg](u)
+            p.replicated_before(seg, self.share) + p.segments[seg](u)
             for p, u in zip(self.profiles, units, strict=True)
         )
         return SegmentSolution(tuple(units), finish, max(finish))

@@ -75,11 +75,12 @@ def _check_profiles(profiles: Sequence[DeviceProfile]) -> None:
                 raise UserError(
                     f"profile of device '{p.name}' has a {why} for {s}; re-run `xronos profile`"
                 )
-        if not math.isfinite(p.replicated_s) or p.replicated_s < 0:
-            raise UserError(
-                f"profile of device '{p.name}' has replicated_s={p.replicated_s}; "
-                "re-run `xronos profile`"
-            )
+        split = ((f"replicated_split[{k!r}]", v) for k, v in p.replicated_split.items())
+        for what, v in (("replicated_s", p.replicated_s), *split):
+            if not math.isfinite(v) or v < 0:
+                raise UserError(
+                    f"profile of device '{p.name}' has {what}={v}; re-run `xronos profile`"
+                )
 
 
 def _budget(p: DeviceProfile) -> int | None:
@@ -239,7 +240,7 @@ def _segment_times(
     _check_profiles(profiles)
     return {
         s: tuple(
-            p.replicated_s * share[s] + p.segments[s](u)
+            p.replicated_before(s, share) + p.segments[s](u)
             for p, u in zip(profiles, plan.split(s), strict=True)
         )
         for s in SEGMENTS

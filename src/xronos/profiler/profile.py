@@ -10,6 +10,7 @@ on it: ``t(0) = 0``, not ``a``.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -49,6 +50,15 @@ class DeviceProfile:
     """Bytes every device needs regardless of its units (replicated weights, activations)."""
     key: str = ""
     """Cache key: device spec + model shape + batch shape."""
+    replicated_split: dict[str, float] = field(default_factory=dict)
+    """Seconds of replicated work before each segment's barrier, when measured in real
+    steps (calibration); empty = ``replicated_s`` split by the planner's default shares."""
+
+    def replicated_before(self, segment: str, share: Mapping[str, float]) -> float:
+        """Replicated work this device does before ``segment``'s barrier."""
+        if self.replicated_split:
+            return self.replicated_split.get(segment, 0.0)
+        return self.replicated_s * share[segment]
 
     def step_time(self, units: dict[str, int]) -> float:
         """Predicted step time of this device alone holding ``units``."""
@@ -70,6 +80,7 @@ class DeviceProfile:
                 unit_bytes={k: int(v) for k, v in d.get("unit_bytes", {}).items()},
                 base_bytes=int(d.get("base_bytes", 0)),
                 key=str(d.get("key", "")),
+                replicated_split={k: float(v) for k, v in d.get("replicated_split", {}).items()},
             )
         except (KeyError, TypeError) as e:
             raise UserError(
