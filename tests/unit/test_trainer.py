@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -57,3 +58,23 @@ def test_bf16_autocast_trains() -> None:
     losses = [trainer.step([(ids, ids)])[0] for _ in range(8)]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert all(p.dtype == torch.float32 for p in trainer.params)  # weights stay fp32
+
+
+def test_reported_norm_is_the_norm_of_the_accumulated_gradients() -> None:
+    # The trainer takes each norm inside the last micro-batch's backward (hooks); the
+    # reference takes them all after a plain backward. The tied embedding/head weight
+    # must count once, with both of its uses, and earlier micro-batches must count too.
+    gen = torch.Generator().manual_seed(2)
+    micro = [(ids, ids) for ids in (torch.randint(0, 100, (2, 8), generator=gen) for _ in "ab")]
+    trainer = _trainer(max_grad_norm=0.0)
+    assert tiny().tie_word_embeddings
+    reference = copy.deepcopy(trainer.model).train()
+    denom = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro)
+    for ids, labels in micro:
+        (reference.loss_sum(ids, labels) / denom).backward()
+    grads = [p.grad for p in reference.parameters() if p.grad is not None]
+    want = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))  # fp64 reference
+    _, norm = trainer.step(micro)
+    assert math.isclose(norm, want, rel_tol=1e-5)  # the trainer's per-tensor norms are fp32
+    _, again = trainer.step(micro)
+    assert again != norm  # the hooks' norms do not leak from one step into the next

@@ -7,6 +7,11 @@ Per step, besides the per-layer collectives inside forward and backward:
 2. one all-reduce of the squared gradient norm for clipping by the *global* norm
    (sharded parameters count on every rank, replicated ones once).
 
+Each parameter's gradient norm is taken during the last micro-batch's backward, as soon
+as that gradient is final (a post-accumulate-grad hook), not in one pass after it: the
+work then falls inside the segments the planner balances, in proportion to each rank's
+units, instead of piling up before the norm all-reduce where no split can even it out.
+
 Loss = Σ cross-entropy over label tokens / global count of label tokens in the step
 (all micro-batches of gradient accumulation together); a fully masked step gives 0.
 """
@@ -14,7 +19,7 @@ Loss = Σ cross-entropy over label tokens / global count of label tokens in the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +51,21 @@ class OptimConfig:
     """Run forward/backward under bf16 autocast (weights and LoRA stay fp32)."""
 
 
+class _BackwardNorms:
+    """Gradient norms taken by post-accumulate-grad hooks while ``active``, by position."""
+
+    def __init__(self) -> None:
+        self.taken: dict[int, torch.Tensor] = {}
+        self.active = False
+
+    def hook(self, k: int) -> Callable[[torch.Tensor], None]:
+        def take(p: torch.Tensor) -> None:
+            if self.active and p.grad is not None:
+                self.taken[k] = torch.linalg.vector_norm(p.grad.detach())
+
+        return take
+
+
 class Trainer:
     """AdamW on the local shards with global-norm clipping and exact loss normalisation."""
 
@@ -70,6 +90,13 @@ class Trainer:
             self.params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
         )
         self.steps_done = 0
+        # Norms taken in backward (see the module docstring). The hooks hold only this
+        # small record, not the trainer: no cycle keeps the process group alive.
+        self._norms = _BackwardNorms()
+        partial = {id(p) for p in self.partial}
+        for k, (p, w) in enumerate(zip(self.params, self.norm_weight, strict=True)):
+            if w and id(p) not in partial:
+                p.register_post_accumulate_grad_hook(self._norms.hook(k))
 
     def _lr_factor(self) -> float:
         w = self.opt_cfg.warmup_steps
@@ -86,10 +113,15 @@ class Trainer:
             if self.opt_cfg.bf16
             else contextlib.nullcontext()
         )
-        for ids, labels in micro_batches:
+        self._norms.taken.clear()
+        for k, (ids, labels) in enumerate(micro_batches):
             with autocast:
                 loss_sum = self.model.loss_sum(ids, labels)
-            (loss_sum / denom).backward()
+            self._norms.active = k == len(micro_batches) - 1
+            try:
+                (loss_sum / denom).backward()
+            finally:
+                self._norms.active = False
             total += float(loss_sum.detach())
         self._sync_partial_grads()
         norm = self._clip()
@@ -112,13 +144,22 @@ class Trainer:
             offset += g.numel()
 
     def _clip(self) -> float:
-        grads = [
+        # The rest: partial gradients (final only after their all-reduce) and any gradient
+        # the last backward did not touch.
+        rest = [
             p.grad.detach()
-            for p, w in zip(self.params, self.norm_weight, strict=True)
+            for k, (p, w) in enumerate(zip(self.params, self.norm_weight, strict=True))
+            if p.grad is not None and w and k not in self._norms.taken
+        ]
+        # Per-tensor norms in fp32, their squares summed in fp64 in parameter order.
+        late = iter(torch._foreach_norm(rest)) if rest else iter(())
+        taken = self._norms.taken
+        norms = [
+            taken[k] if k in taken else next(late)
+            for k, (p, w) in enumerate(zip(self.params, self.norm_weight, strict=True))
             if p.grad is not None and w
         ]
-        # Per-tensor norms in fp32 (one fused pass), their squares summed in fp64.
-        norms = list(torch._foreach_norm(grads)) if grads else []
+        taken.clear()
         sq = (
             torch.stack(norms).double().pow(2).sum().reshape(1)
             if norms
