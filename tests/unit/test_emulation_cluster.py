@@ -167,6 +167,8 @@ def test_presets_load_and_match_their_description() -> None:
         ("fast", 1, 1.0),
         ("slow", 1, 0.4),
     ]
+    even = load_cluster("ci-2dev-even").devices  # the control: same cores, both at full speed
+    assert [(d.cores, d.cpu_quota) for d in even] == [(1, 1.0), (1, 1.0)]
     speeds = [d.capacity for d in load_cluster("edge-3dev").devices]
     assert [s / speeds[0] for s in speeds] == pytest.approx([1.0, 0.5, 0.25])
     edge4 = load_cluster("edge-4dev").devices

@@ -28,6 +28,10 @@ ALL = TP_STRATEGIES[:2] + PP_STRATEGIES + TP_STRATEGIES[2:]
 def register(sub: Any) -> None:
     p = sub.add_parser("bench", help="compare strategies on one emulated cluster")
     p.add_argument("--scenario", default="ci-2dev", help=f"one of {', '.join(SCENARIOS)}")
+    p.add_argument(
+        "--cluster",
+        help="run the scenario's workload on this cluster instead (preset or TOML file)",
+    )
     p.add_argument("--out", default="runs/bench", help="output directory (default: %(default)s)")
     p.add_argument(
         "--strategies", default=",".join(ALL), help="comma-separated (default: %(default)s)"
@@ -67,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if scenario.steps < 1 or scenario.warmup < 0:
         raise UserError("--steps must be ≥ 1 and --warmup ≥ 0")
     strategies = parse_strategies(args.strategies)
-    cluster = load_cluster(scenario.cluster)
+    cluster = load_cluster(args.cluster or scenario.cluster)
     source = ModelSource.from_name(scenario.model)
     lora = LoRAConfig(r=scenario.lora_rank) if scenario.lora_rank else None
     cfg = source.cfg

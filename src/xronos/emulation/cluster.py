@@ -222,6 +222,13 @@ def ci_2dev() -> ClusterSpec:
     return ClusterSpec("ci-2dev", (DeviceSpec("fast", 1, 1.0), DeviceSpec("slow", 1, 0.4)))
 
 
+def ci_2dev_even() -> ClusterSpec:
+    """``ci-2dev`` with both cores at full speed: the control for the benchmark. Two equal
+    devices split evenly reach every barrier together but for the host's own noise, so
+    their idle ratio is the floor no split can get under on that host."""
+    return ClusterSpec("ci-2dev-even", (DeviceSpec("core0", 1, 1.0), DeviceSpec("core1", 1, 1.0)))
+
+
 def edge_3dev() -> ClusterSpec:
     """Three single-core devices with speeds 1 : 0.5 : 0.25 (a NUC, a gateway, a Pi).
 
@@ -271,6 +278,7 @@ def default_cluster(host_cpus: int | None = None) -> ClusterSpec:
 
 PRESETS: dict[str, Callable[[], ClusterSpec]] = {
     "ci-2dev": ci_2dev,
+    "ci-2dev-even": ci_2dev_even,
     "edge-3dev": edge_3dev,
     "edge-4dev": edge_4dev,
     "default": default_cluster,
