@@ -57,7 +57,8 @@ def test_torchrun_workers_train_like_one_process(tmp_path: Path) -> None:
         text=True,
         timeout=300,
     )
-    assert res.returncode == 0, res.stderr[-2000:]
+    # the workers' own errors come before torchrun's summary of which rank failed
+    assert res.returncode == 0, res.stderr[:3000] + "\n…\n" + res.stderr[-1500:]
     assert (tmp_path / "tr" / "summary.md").is_file()
     assert (
         main(
