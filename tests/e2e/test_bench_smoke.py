@@ -51,3 +51,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     for name in ("xronos", "tp-even", "pp-gpipe", "pp-1f1b"):
         assert strategies[name]["losses"] == pytest.approx(ref, rel=LOSS_RTOL), name
     assert (out / "bench.png").stat().st_size > 0
+    # the step boundary is timed like any collective, so an early finisher's wait counts
+    spans = json.loads((out / "trace.json").read_text())["traceEvents"]
+    ends = [e for e in spans if e.get("name", "").endswith(": step.end")]
+    assert {e["pid"] for e in ends} == {0, 1}

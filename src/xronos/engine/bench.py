@@ -4,6 +4,11 @@ All strategies live in the same device processes (so in the same emulated limits
 take turns step by step, the order rotating each round, so that drift of the machine
 hits all of them alike. Each step of each strategy starts after a barrier that is not
 timed. ``single`` runs the whole model on the fastest device while the others wait.
+
+A multi-device step ends with one more, timed collective (``step.end``): in a real run
+the next step's first collective is where a device that finished its optimizer update
+early waits for the others; here the untimed barrier between strategies would hide that
+wait, so ``step.end`` puts it back, as idle, in the step it belongs to.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ ISOLATED_REPEATS = 3
 """Isolated re-runs of the last step per strategy; the stall ratio compares the mean
 isolated span with the mean of the same span over every counted step."""
 PP_STRATEGIES = ("pp-gpipe", "pp-1f1b")
+STEP_END = "step.end"
 
 
 class Runner(Protocol):
@@ -93,6 +99,7 @@ def _isolated_tp(trainer: Trainer, group: TPGroup, micro: list[Batch], rank: int
         rec.start_step(-1)
         with use_recorder(rec):
             trainer.step(micro)
+            group.all_reduce(torch.zeros(1), STEP_END)  # as in the timed steps (dry: no wait)
         record = rec.end_step()
     finally:
         group.dry = False
@@ -190,6 +197,8 @@ def _run_step(
         rec.start_step(step)
         with use_recorder(rec):
             loss, _ = runner.step(micro)
+            if name != "single":
+                group.all_reduce(torch.zeros(1), STEP_END)
     record = rec.end_step()
     if name == "single":
         gathered = [r for r in group.gather_object(record) if r is not None]
