@@ -31,7 +31,7 @@ import re
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -141,17 +141,11 @@ def fit(profiles: Sequence[DeviceProfile], rounds: Sequence[Round]) -> list[Devi
         split = {s: k[s] * p.replicated_before(s, share) for s in SEGMENTS}
         tail = sum(r.weight * r.measured[i]["other"] for r in rounds) / total_w
         out.append(
-            DeviceProfile(
-                name=p.name,
+            replace(
+                p,
                 segments={s: CostCurve(c.a * k[s], c.b * k[s]) for s, c in p.segments.items()},
                 replicated_s=sum(split.values()) + tail,
                 replicated_split=split,
-                allreduce_s=p.allreduce_s,
-                allreduces_per_step=p.allreduces_per_step,
-                memory_bytes=p.memory_bytes,
-                unit_bytes=p.unit_bytes,
-                base_bytes=p.base_bytes,
-                key=p.key,
             )
         )
     return out

@@ -51,7 +51,7 @@ from xronos.engine.schedule import (
     schedule,
     split_microbatches,
 )
-from xronos.engine.trainer import Batch, OptimConfig
+from xronos.engine.trainer import Batch, OptimConfig, clip_to, lr_factor
 from xronos.errors import UserError
 from xronos.metrics.recorder import SpanRecorder, current_recorder
 from xronos.metrics.records import Span
@@ -274,16 +274,9 @@ class PipelineRunner:
         vec[1] = loss_sum  # only the last stage has a loss; the others add 0
         self.group.all_reduce(vec, "grads.norm")
         norm = float(vec[0].sqrt())
-        max_norm = self.opt_cfg.max_grad_norm
-        if max_norm > 0 and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        w = self.opt_cfg.warmup_steps
-        factor = min(1.0, (self.steps_done + 1) / w) if w > 0 else 1.0
+        clip_to(self.params, norm, self.opt_cfg.max_grad_norm)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.opt_cfg.lr * factor
+            group["lr"] = self.opt_cfg.lr * lr_factor(self.opt_cfg, self.steps_done)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1

@@ -51,6 +51,22 @@ class OptimConfig:
     """Run forward/backward under bf16 autocast (weights and LoRA stay fp32)."""
 
 
+def lr_factor(opt: OptimConfig, steps_done: int) -> float:
+    """Linear warm-up over ``opt.warmup_steps`` optimizer steps, then 1."""
+    w = opt.warmup_steps
+    return min(1.0, (steps_done + 1) / w) if w > 0 else 1.0
+
+
+def clip_to(params: Sequence[torch.Tensor], norm: float, max_norm: float) -> None:
+    """Scale the gradients of ``params`` down to ``max_norm`` when their global ``norm``
+    exceeds it (0 disables clipping)."""
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+
+
 class _BackwardNorms:
     """Gradient norms taken by post-accumulate-grad hooks while ``active``, by position."""
 
@@ -98,10 +114,6 @@ class Trainer:
             if w and id(p) not in partial:
                 p.register_post_accumulate_grad_hook(self._norms.hook(k))
 
-    def _lr_factor(self) -> float:
-        w = self.opt_cfg.warmup_steps
-        return min(1.0, (self.steps_done + 1) / w) if w > 0 else 1.0
-
     def step(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
         """Forward, backward and update over ``micro_batches``; returns (loss, grad norm)."""
         self.model.train()
@@ -126,7 +138,7 @@ class Trainer:
         self._sync_partial_grads()
         norm = self._clip()
         for g in self.optimizer.param_groups:
-            g["lr"] = self.opt_cfg.lr * self._lr_factor()
+            g["lr"] = self.opt_cfg.lr * lr_factor(self.opt_cfg, self.steps_done)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
@@ -167,12 +179,7 @@ class Trainer:
         )
         self.group.all_reduce(sq, "grads.norm")
         norm = float(sq.sqrt())
-        max_norm = self.opt_cfg.max_grad_norm
-        if max_norm > 0 and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        clip_to(self.params, norm, self.opt_cfg.max_grad_norm)
         return norm
 
     # -- checkpoint support ----------------------------------------------------------------
