@@ -94,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
         result = finetune_worker(ctx, prep.job)
         if monitor is not None:
             print(monitor.finish(result))
+        # Tear down together: a rank that destroys its process group while another still
+        # writes the run's outputs can abort at exit inside gloo's transport threads.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0
