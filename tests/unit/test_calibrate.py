@@ -12,7 +12,7 @@ from xronos.metrics.records import Span, StepRecord
 from xronos.planner import plan_tp
 from xronos.planner.plan import SEGMENTS, Plan
 from xronos.planner.solve import DEFAULT_REPLICATED_SHARE
-from xronos.profiler.profile import CostCurve, DeviceProfile
+from xronos.planner.profile import CostCurve, DeviceProfile
 
 CFG = small()
 

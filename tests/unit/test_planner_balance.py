@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xronos.planner.balance import solve_segment
-from xronos.profiler.profile import CostCurve
+from xronos.planner.profile import CostCurve
 
 # Integer-valued costs make exact ties common (the tie-break is exercised); fractional
 # ones cover the general case.

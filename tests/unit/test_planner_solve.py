@@ -21,7 +21,7 @@ from xronos.planner import (
     solve_segment,
 )
 from xronos.planner.plan import segment_units
-from xronos.profiler.profile import CostCurve, DeviceProfile
+from xronos.planner.profile import CostCurve, DeviceProfile
 
 #: Seconds per unit at speed 1 (made-up but of realistic proportions: a KV group costs
 #: more than an MLP chunk, which costs more than a vocabulary chunk).

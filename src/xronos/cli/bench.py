@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     )
     out = results[0]
     if cached is None:
-        from xronos.profiler.profile import DeviceProfile
+        from xronos.planner.profile import DeviceProfile
 
         store_cached([DeviceProfile.from_dict(d) for d in out["profiles"]])
     meta = {

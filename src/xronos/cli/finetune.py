@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     summary = monitor.finish(results[0])
     if monitor.profiles and not prep.job.profiles:  # measured now: the next run skips it
-        from xronos.profiler.profile import DeviceProfile
+        from xronos.planner.profile import DeviceProfile
         from xronos.profiler.run import store_cached
 
         store_cached([DeviceProfile.from_dict(p) for p in monitor.profiles])

@@ -9,7 +9,7 @@ from typing import Any
 from xronos.engine.job import ModelSource
 from xronos.errors import UserError
 from xronos.planner import plan_even, plan_pipeline, plan_tp, predict
-from xronos.profiler.profile import load_profiles
+from xronos.planner.profile import load_profiles
 from xronos.utils import atomic_write_text
 
 

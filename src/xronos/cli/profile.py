@@ -15,7 +15,7 @@ from xronos.errors import UserError
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import default_mlp_chunk, default_vocab_chunk
 from xronos.profiler.measure import Shape
-from xronos.profiler.profile import DeviceProfile, save_profiles
+from xronos.planner.profile import DeviceProfile, save_profiles
 from xronos.profiler.run import load_cached, profile_key, profile_worker, store_cached
 
 

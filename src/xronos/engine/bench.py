@@ -32,7 +32,7 @@ from xronos.metrics.records import Span, StepRecord
 from xronos.planner import StageCosts, plan_pipeline
 from xronos.planner.plan import Plan
 from xronos.profiler.measure import Shape
-from xronos.profiler.profile import DeviceProfile
+from xronos.planner.profile import DeviceProfile
 from xronos.profiler.run import profile_self, share_profiles
 
 TP_STRATEGIES = ("xronos", "tp-even", "single")

@@ -20,7 +20,7 @@ from xronos.metrics import (
     write_trace,
 )
 from xronos.planner.plan import SEGMENTS, Plan
-from xronos.profiler.profile import DeviceProfile
+from xronos.planner.profile import DeviceProfile
 from xronos.utils import atomic_write_text
 
 

@@ -45,7 +45,7 @@ from xronos.model.llama import LlamaForCausalLM
 from xronos.model.lora import LoRALinear
 from xronos.planner.plan import SEGMENTS, Plan
 from xronos.planner.solve import DEFAULT_REPLICATED_SHARE
-from xronos.profiler.profile import CostCurve, DeviceProfile
+from xronos.planner.profile import CostCurve, DeviceProfile
 
 _LAYER = re.compile(r"^L(\d+)\.")
 

@@ -31,7 +31,7 @@ from xronos.metrics.recorder import SpanRecorder, use_recorder
 from xronos.model.llama import LlamaForCausalLM
 from xronos.planner.plan import Plan
 from xronos.profiler.measure import Shape
-from xronos.profiler.profile import DeviceProfile
+from xronos.planner.profile import DeviceProfile
 from xronos.profiler.run import profile_self, share_profiles
 
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import NamedTuple
 
-from xronos.profiler.profile import CostCurve
+from xronos.planner.profile import CostCurve
 
 _Finish = Callable[[int, int], float]
 """``finish(device, units)``: when that device reaches the barrier holding that many units."""

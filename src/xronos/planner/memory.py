@@ -30,7 +30,7 @@ from itertools import permutations
 
 from xronos.planner.balance import SegmentSolution, solve_segment
 from xronos.planner.plan import SEGMENTS
-from xronos.profiler.profile import DeviceProfile
+from xronos.planner.profile import DeviceProfile
 
 Caps = dict[str, list[int | None]]
 """Per segment, per device: the most units it may hold (None = unbounded)."""

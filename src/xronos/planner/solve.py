@@ -41,7 +41,7 @@ from xronos.planner.plan import (
     default_vocab_chunk,
     segment_units,
 )
-from xronos.profiler.profile import DeviceProfile
+from xronos.planner.profile import DeviceProfile
 
 #: Fraction of a device's ``replicated_s`` done before each segment's barrier.
 DEFAULT_REPLICATED_SHARE: dict[str, float] = {"attn": 0.5, "mlp": 0.5, "vocab": 0.0}

@@ -24,7 +24,7 @@ from xronos.model.lora import LoRAConfig, add_lora
 from xronos.model.rope import RotaryEmbedding
 from xronos.parallel.vocab import vocab_parallel_cross_entropy
 from xronos.planner.plan import segment_units
-from xronos.profiler.profile import CostCurve
+from xronos.planner.profile import CostCurve
 
 BYTES_FP32 = 4
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
 from xronos.profiler.measure import Shape, base_bytes, measure_segments, unit_bytes
-from xronos.profiler.profile import DeviceProfile
+from xronos.planner.profile import DeviceProfile
 
 
 def cache_dir() -> Path:
