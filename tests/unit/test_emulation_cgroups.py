@@ -243,7 +243,9 @@ def test_unwritable_cgroups_fall_back_to_duty_cycle(tmp_path: Path) -> None:
     missing = tmp_path / "not-mounted"
     hierarchy = CgroupV1({"cpu": missing, "cpuset": missing})
     cluster = ClusterSpec("c", (DeviceSpec("hub", 1, 0.5),))
-    with Emulator(cluster, run_id(), hierarchy=hierarchy, state_dir=tmp_path) as emu:
+    with Emulator(
+        cluster, run_id(), hierarchy=hierarchy, state_dir=tmp_path, check_speed=False
+    ) as emu:
         assert emu.cpu_mechanism == ["duty-cycle"]
         report = "\n".join(emu.report())
         assert emu.slot(0).cgroup_procs == ()
@@ -261,7 +263,7 @@ def test_cgroup_cpu_quota_limits_a_busy_worker(tmp_path: Path) -> None:
     cluster = ClusterSpec("c", (DeviceSpec("fast", 1, 1.0), DeviceSpec("slow", 1, 0.3)))
     run = run_id()
     out = SPAWN.Queue()
-    with Emulator(cluster, run, state_dir=tmp_path) as emu:
+    with Emulator(cluster, run, state_dir=tmp_path, check_speed=False) as emu:
         assert emu.cpu_mechanism[0].startswith("cgroup")
         assert f"cpu quota: cgroup {emu.hierarchy.version}" in "\n".join(emu.report())  # type: ignore[union-attr]
         procs = [SPAWN.Process(target=busy_child, args=(emu.slot(r), 0.5, out)) for r in (0, 1)]
@@ -305,7 +307,7 @@ def test_teardown_removes_every_cgroup_on_each_exit_path(tmp_path: Path, ending:
     ready = SPAWN.Queue()
     cluster = ClusterSpec("c", (DeviceSpec("hub", 1, 0.5, memory_bytes=2**30),))
     expected = pytest.raises(RuntimeError) if ending == "exception" else contextlib.nullcontext()
-    with expected, Emulator(cluster, run, state_dir=tmp_path) as emu:
+    with expected, Emulator(cluster, run, state_dir=tmp_path, check_speed=False) as emu:
         proc = SPAWN.Process(target=sleepy_child, args=(emu.slot(0), ready))
         proc.start()
         pid = ready.get(timeout=60)
@@ -334,7 +336,9 @@ def worker(slot):
     time.sleep(120)
 
 if __name__ == "__main__":
-    with Emulator(load_cluster("ci-2dev"), sys.argv[1], state_dir=sys.argv[2]) as emu:
+    with Emulator(
+        load_cluster("ci-2dev"), sys.argv[1], state_dir=sys.argv[2], check_speed=False
+    ) as emu:
         procs = [mp.get_context("spawn").Process(target=worker, args=(emu.slot(r),))
                  for r in range(2)]
         for rank, p in enumerate(procs):
@@ -390,7 +394,7 @@ def test_cleanup_stale_removes_what_a_killed_launcher_left(tmp_path: Path) -> No
     # A live run in the same state directory is left alone.
     cluster = ClusterSpec("c", (DeviceSpec("hub", 1, 0.5),))
     live = run_id()
-    with Emulator(cluster, live, state_dir=tmp_path / "state"):
+    with Emulator(cluster, live, state_dir=tmp_path / "state", check_speed=False):
         cleaned = cleanup_stale(state_dir=tmp_path / "state")
         assert len(leftover_dirs(live)) >= 1
     assert len(cleaned) == 1 and f"run {run}: removed" in cleaned[0]

@@ -119,6 +119,15 @@ class Hierarchy:
         for procs in group.procs_files:
             _write(Path(procs), str(pid))
 
+    def cpu_procs_files(self, group: Group) -> tuple[str, ...]:
+        """``cgroup.procs`` files that put a process under the group's CPU limits only (on
+        v1 not its memory cap; v2 has one file for all)."""
+        return group.procs_files
+
+    def set_quota(self, group: Group, quota_us: int | None, period_us: int) -> None:
+        """Change the CPU quota of an existing group (None: no quota)."""
+        raise NotImplementedError
+
     def destroy(self, group: Group, timeout_s: float = 3.0) -> list[str]:
         """Empty the group (this process moves to the parent; any other process in it is
         SIGKILLed) and remove its directories. Returns what could not be done."""
@@ -169,6 +178,18 @@ class CgroupV1(Hierarchy):
     def available(self) -> tuple[str, ...]:
         return tuple(c for c in CONTROLLERS if c in self.parents)
 
+    def cpu_procs_files(self, group: Group) -> tuple[str, ...]:
+        dirs = {self.parents[c] / group.name for c in ("cpu", "cpuset") if c in self.parents}
+        return tuple(str(d / "cgroup.procs") for d in group.dirs if d in dirs)
+
+    def set_quota(self, group: Group, quota_us: int | None, period_us: int) -> None:
+        d = self.parents["cpu"] / group.name
+        # The kernel checks quota against period on every write: lift the quota first.
+        _write(d / "cpu.cfs_quota_us", "-1")
+        _write(d / "cpu.cfs_period_us", str(period_us))
+        if quota_us is not None:
+            _write(d / "cpu.cfs_quota_us", str(quota_us))
+
     def _needed(self, limits: Limits) -> list[str]:
         wanted = ["cpu", "cpuset"] + (["memory"] if limits.memory_bytes is not None else [])
         return [c for c in wanted if c in self.parents]
@@ -198,8 +219,9 @@ class CgroupV1(Hierarchy):
     def _apply(controller: str, d: Path, limits: Limits) -> None:
         if controller == "cpu":
             _write(d / "cpu.shares", str(1024 * WEIGHT_FACTOR))
+            _write(d / "cpu.cfs_quota_us", "-1")  # no quota; also lets any period be set
+            _write(d / "cpu.cfs_period_us", str(limits.period_us))
             if limits.quota_us is not None:
-                _write(d / "cpu.cfs_period_us", str(limits.period_us))
                 _write(d / "cpu.cfs_quota_us", str(limits.quota_us))
         elif controller == "cpuset":
             # A new v1 cpuset starts empty and refuses tasks until mems and cpus are set.
@@ -232,6 +254,10 @@ class CgroupV2(Hierarchy):
 
     def plan_dirs(self, name: str, limits: Limits) -> list[Path]:
         return [self.parent / name]
+
+    def set_quota(self, group: Group, quota_us: int | None, period_us: int) -> None:
+        quota = "max" if quota_us is None else str(quota_us)
+        _write(group.dirs[0] / "cpu.max", f"{quota} {period_us}")
 
     def _enable(self, controllers: list[str]) -> dict[str, str]:
         """Enable controllers for the parent's children in one write (the kernel applies

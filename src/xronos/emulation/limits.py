@@ -12,9 +12,12 @@ Used by the launcher (parent process)::
 
 Mechanisms, best first: cgroup v1/v2 for CPU quota, CPU set and memory cap; else a
 duty-cycle helper process per worker for the CPU quota and ``sched_setaffinity`` for the CPU
-set. ``report()`` says which one is in force. Teardown (on ``__exit__``, at interpreter exit,
-on SIGTERM; idempotent) kills any worker left inside the devices and removes every cgroup,
-namespace and link; :func:`cleanup_stale` handles runs that could not tear down.
+set. A device whose quota covers its whole CPU set gets no quota at all. At start-up the
+speed of every throttled device is measured and its limit calibrated (:mod:`speed`).
+``report()`` says which mechanism is in force and what each device really gets. Teardown
+(on ``__exit__``, at interpreter exit, on SIGTERM; idempotent) kills any worker left inside
+the devices and removes every cgroup, namespace and link; :func:`cleanup_stale` handles runs
+that could not tear down.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from xronos.emulation import cgroups, netns
 from xronos.emulation.cgroups import Group, Hierarchy, Limits
 from xronos.emulation.cluster import ClusterSpec
 from xronos.emulation.dutycycle import DutyCycle
-from xronos.emulation.report import emulator_report
+from xronos.emulation.report import ReportInput, emulator_report
 from xronos.emulation.slot import DeviceSlot, assign_cpus
+from xronos.emulation.speed import SpeedCheck, SpeedChecker
 from xronos.emulation.state import PREFIX, RunState, default_state_dir, process_start_time
 from xronos.errors import UserError
 
@@ -56,10 +60,14 @@ class Emulator:
         mechanism: ``auto`` (cgroups where writable, else duty-cycle), ``cgroup`` (fail
             with a UserError if cgroups cannot be used), ``duty-cycle`` (force the fallback)
             or ``none`` (CPU sets only, no quota).
-        period_us: CPU quota period; 10 ms keeps throttling smooth at millisecond op
-            granularity.
+        period_us: CPU quota period requested; 10 ms keeps throttling smooth at millisecond
+            op granularity. Where the measured speed misses the spec at this period even
+            after calibration, a longer one is used (reported).
         state_dir: where the run's state file goes (see :mod:`state`).
         hierarchy: the cgroup hierarchy to use; detected from the host by default.
+        check_speed: at start-up, measure each throttled device's speed and calibrate its
+            limit until it matches the spec (a few seconds per device); off: apply the spec's
+            quota as it is and report the speeds as not measured.
     """
 
     def __init__(
@@ -72,6 +80,7 @@ class Emulator:
         period_us: int = 10_000,
         state_dir: str | os.PathLike[str] | None = None,
         hierarchy: Hierarchy | None = _DETECT,
+        check_speed: bool = True,
     ) -> None:
         if not RUN_ID_RE.match(run_id):
             raise UserError(
@@ -87,6 +96,7 @@ class Emulator:
         self.network = network
         self.mechanism: Mechanism = mechanism
         self.period_us = period_us
+        self.check_speed = check_speed
         self.hierarchy: Hierarchy | None = cgroups.detect() if hierarchy is _DETECT else hierarchy
         self.host_cpus = sorted(os.sched_getaffinity(0))
         devices = cluster.devices
@@ -102,6 +112,10 @@ class Emulator:
         """Address in the root namespace that devices reach (None without network)."""
         self.notes: dict[str, str] = {}
         self.problems: list[str] = []
+        self.speeds: list[SpeedCheck] = []
+        """Per rank, after start(): asked vs measured speed and the limit in force."""
+        self._checker = SpeedChecker()
+        self._duty: dict[int, float] = {}
         self._helpers: dict[int, DutyCycle] = {}
         self._attached: dict[int, tuple[int, str | None]] = {}
         self._state_path = Path(state_dir or default_state_dir()) / f"{PREFIX}{run_id}.json"
@@ -137,6 +151,7 @@ class Emulator:
         try:
             self._state = RunState(self.run_id, self._owner, process_start_time(self._owner))
             self._setup_cgroups()
+            self._check_speeds()
             if self.network:
                 self._setup_network()
         except BaseException:
@@ -155,9 +170,16 @@ class Emulator:
     def _group_name(self, rank: int) -> str:
         return f"{PREFIX}{self.run_id}-{self.cluster.devices[rank].name}"
 
+    def asked_speed(self, rank: int) -> float:
+        """The device's speed as a fraction of its CPU set: ``cores × cpu_quota / CPUs``."""
+        return min(1.0, self.cluster.devices[rank].capacity / len(self.cpus[rank]))
+
     def _limits(self, rank: int) -> Limits:
         device = self.cluster.devices[rank]
-        quota_us, period = cgroups.quota_and_period(device.capacity, self.period_us)
+        asked = self.asked_speed(rank)
+        if asked >= 1.0:  # the quota covers the whole CPU set: no CFS quota at all
+            return Limits(self.cpus[rank], None, self.period_us, device.memory_bytes)
+        quota_us, period = cgroups.quota_and_period(asked * len(self.cpus[rank]), self.period_us)
         if period != self.period_us:
             self.notes["period"] = f"period stretched to {period} us for the 1 ms minimum quota"
         return Limits(self.cpus[rank], quota_us, period, device.memory_bytes)
@@ -210,6 +232,29 @@ class Emulator:
         self.cpu_mechanism = [fallback] * self.cluster.world_size
         self._save_state()
 
+    def _check_speeds(self) -> None:
+        """Fill :attr:`speeds`; measure and calibrate the throttled devices (see :mod:`speed`)."""
+        self.speeds = self._checker.run(
+            self.cluster.devices,
+            [self.asked_speed(r) for r in range(self.cluster.world_size)],
+            self.cpu_mechanism,
+            self.cpus,
+            self.groups,
+            self.hierarchy,
+            self.period_us,
+            measure=self.check_speed,
+        )
+        self._duty = {
+            r: s.fraction
+            for r, s in enumerate(self.speeds)
+            if s.mechanism == "duty-cycle" and s.measured and s.fraction is not None
+        }
+
+    def effective_speeds(self) -> list[float | None]:
+        """Per rank, the speed each device gets as a fraction of its CPU set: measured for
+        throttled devices, 1.0 for devices without a limit, None where not measured."""
+        return [s.got for s in self.speeds]
+
     def _setup_network(self) -> None:
         try:
             plan = netns.plan_network(self.run_id, self.cluster.world_size)
@@ -259,11 +304,11 @@ class Emulator:
                 self.hierarchy.add_pid(group, pid)
             except ProcessLookupError:
                 return
-        quota = self.cluster.devices[rank].cpu_quota
-        if self.cpu_mechanism[rank] == "duty-cycle" and quota < 1.0:
+        duty = self._duty.get(rank, self.asked_speed(rank))
+        if self.cpu_mechanism[rank] == "duty-cycle" and duty < 1.0:
             if rank in self._helpers:
                 self._helpers.pop(rank).stop()
-            self._helpers[rank] = DutyCycle(pid, quota, self.period_us / 1e6)
+            self._helpers[rank] = DutyCycle(pid, duty, self.period_us / 1e6)
 
     # ------------------------------------------------------------------ teardown
 
@@ -289,6 +334,7 @@ class Emulator:
         if self._closed or not self._started or os.getpid() != self._owner:
             return
         self._closed = True
+        self._checker.close()
         for helper in self._helpers.values():
             helper.stop()
         self._helpers.clear()
@@ -314,4 +360,21 @@ class Emulator:
 
     def report(self) -> list[str]:
         """Lines for the user: which mechanism emulates what, and each device's limits."""
-        return emulator_report(self)
+        h = self.hierarchy
+        return emulator_report(
+            ReportInput(
+                cluster=self.cluster,
+                host_cpus=tuple(self.host_cpus),
+                cpus=tuple(self.cpus),
+                period_us=self.period_us,
+                cpu_mechanism=tuple(self.cpu_mechanism),
+                notes=dict(self.notes),
+                hierarchy_version=h.version if h is not None else None,
+                groups=tuple(self.groups),
+                network=self.network,
+                net=self.net,
+                bridge_ip=self.bridge_ip,
+                net_notes=tuple(self.net_notes),
+                speeds=tuple(self.speeds),
+            )
+        )

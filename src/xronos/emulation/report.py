@@ -1,28 +1,66 @@
-"""The lines an :class:`~xronos.emulation.limits.Emulator` shows the user: which mechanism
-emulates what (and why a fallback is in force), each device's limits, and which devices share
-host CPUs."""
+"""The lines an emulator shows the user: which mechanism emulates what (and why a fallback is
+in force), each device's limits, what each device's speed measured, and which devices share
+host CPUs. It works on plain data (:class:`ReportInput`), not on the emulator itself."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
+from xronos.emulation.cgroups import Group
+from xronos.emulation.cluster import ClusterSpec
+from xronos.emulation.netns import NetworkPlan
+from xronos.emulation.speed import SpeedCheck
 from xronos.emulation.units import format_bandwidth, format_bytes, format_duration
 
-if TYPE_CHECKING:
-    from xronos.emulation.limits import Emulator
+
+@dataclass(frozen=True)
+class ReportInput:
+    """What the report needs to know about one emulator, after its start."""
+
+    cluster: ClusterSpec
+    host_cpus: Sequence[int]
+    cpus: Sequence[tuple[int, ...]]
+    """Per rank: host CPUs of the device."""
+    period_us: int
+    """CPU quota period requested."""
+    cpu_mechanism: Sequence[str]
+    """Per rank: ``cgroup v1``, ``cgroup v2``, ``duty-cycle`` or ``none``."""
+    notes: Mapping[str, str]
+    """Why a mechanism is not in force, keyed ``cgroups``, ``cpu``, ``period``, ``network``."""
+    hierarchy_version: str | None
+    """``v1``, ``v2`` or None without a cgroup hierarchy."""
+    groups: Sequence[Group | None]
+    network: bool
+    """Network emulation requested."""
+    net: NetworkPlan | None
+    bridge_ip: str | None
+    net_notes: Sequence[str]
+    speeds: Sequence[SpeedCheck] = ()
 
 
-def emulator_report(emu: Emulator) -> list[str]:
+def _periods(emu: ReportInput) -> str:
+    """The quota period(s) in force, and the request where it was lengthened."""
+    used = {s.period_us for s in emu.speeds if s.measured and s.period_us is not None}
+    used = used or {emu.period_us}
+    text = " / ".join(f"{p / 1000:g} ms" for p in sorted(used))
+    if used != {emu.period_us}:
+        text += f" ({emu.period_us / 1000:g} ms requested; see speed lines)"
+    return text
+
+
+def emulator_report(emu: ReportInput) -> list[str]:
+    """The report's lines, first the mechanisms, then one line per device."""
     devices = emu.cluster.devices
-    h, groups = emu.hierarchy, emu.groups
+    groups = emu.groups
     plural = "s" if len(devices) != 1 else ""
     lines = [
         f"cluster {emu.cluster.name}: {len(devices)} device{plural} "
         f"on {len(emu.host_cpus)} host CPUs"
     ]
-    period = f"{emu.period_us / 1000:g} ms"
+    period = _periods(emu)
     words = {
-        "duty-cycle": f"duty-cycle fallback, SIGSTOP/SIGCONT every {period}",
+        "duty-cycle": f"duty-cycle fallback, SIGSTOP/SIGCONT every {emu.period_us / 1000:g} ms",
         "none": "not emulated",
     }
     cpu = ", ".join(words.get(m, f"{m}, period {period}") for m in sorted(set(emu.cpu_mechanism)))
@@ -32,17 +70,18 @@ def emulator_report(emu: Emulator) -> list[str]:
     lines.append(f"cpu quota: {cpu}")
     if "period" in emu.notes:
         lines.append(f"cpu quota: {emu.notes['period']}")
-    cpuset_ok = h is not None and all(g is not None and "cpuset" in g.applied for g in groups)
-    cpuset = f"cgroup {h.version} cpuset + " if cpuset_ok and h else ""
+    version = emu.hierarchy_version
+    cpuset_ok = version is not None and all(g is not None and "cpuset" in g.applied for g in groups)
+    cpuset = f"cgroup {version} cpuset + " if cpuset_ok else ""
     lines.append(f"cpu sets: {cpuset}sched_setaffinity")
     if all(d.memory_bytes is None for d in devices):
         lines.append("memory cap: none requested")
-    elif h is not None and all(
+    elif version is not None and all(
         g is not None and "memory" in g.applied
         for g, d in zip(groups, devices, strict=True)
         if d.memory_bytes is not None
     ):
-        lines.append(f"memory cap: cgroup {h.version}")
+        lines.append(f"memory cap: cgroup {version}")
     else:
         problems = {
             p for g in groups if g is not None for k, p in g.problems.items() if k == "memory"
@@ -62,10 +101,11 @@ def emulator_report(emu: Emulator) -> list[str]:
         lines += [f"network: {note}" for note in emu.net_notes]
     lines += [_device_line(emu, r) for r in range(len(devices))]
     lines += _sharing_lines(emu)
+    lines += [s.line() for s in emu.speeds]
     return lines
 
 
-def _device_line(emu: Emulator, rank: int) -> str:
+def _device_line(emu: ReportInput, rank: int) -> str:
     d = emu.cluster.devices[rank]
     cpus = ",".join(map(str, emu.cpus[rank]))
     parts = [
@@ -85,7 +125,7 @@ def _device_line(emu: Emulator, rank: int) -> str:
     return ", ".join(parts)
 
 
-def _sharing_lines(emu: Emulator) -> list[str]:
+def _sharing_lines(emu: ReportInput) -> list[str]:
     users: dict[int, list[int]] = {}
     for rank, cpus in enumerate(emu.cpus):
         for cpu in cpus:
