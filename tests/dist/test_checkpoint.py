@@ -1,5 +1,7 @@
 """A checkpoint written by 3 ranks under an uneven Plan resumes on 3, 2 and 1 ranks.
 
+The product's own session (:class:`~xronos.train.tp.TPSession`) trains, saves and loads.
+
 One 3-rank world trains a few steps, saves, trains on (the uninterrupted run) and also
 resumes a fresh shard from the checkpoint under the same Plan; a 2-rank world under
 another Plan and a single process then resume from the same files. Full fine-tuning and
@@ -17,17 +19,18 @@ import torch
 from safetensors import safe_open
 
 from tests.dist.world import WorkerContext, run_world
-from xronos.checkpoint import load_checkpoint, read_checkpoint_meta, save_checkpoint
+from xronos.checkpoint import read_checkpoint_meta
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
-from xronos.engine.job import RandomBatches
-from xronos.engine.trainer import OptimConfig, Trainer
-from xronos.model.llama import LlamaForCausalLM
 from xronos.model.lora import LoRAConfig
 from xronos.parallel.gather import gather_tensor
-from xronos.parallel.shard import build_model
 from xronos.parallel.spec import shard_spec
 from xronos.planner.plan import Plan
+from xronos.train.batches import RandomBatches
+from xronos.train.optim import OptimConfig
+from xronos.train.session import Strategy
+from xronos.train.source import ModelSource
+from xronos.train.tp import TPSession
 
 # Resuming under another Plan changes only how the all-reduces associate their partial sums,
 # so the continued losses agree with the uninterrupted run to fp32 reassociation (~1e-7
@@ -46,7 +49,6 @@ PLANS = {
 }
 # warm-up longer than the saved steps: the resumed lr schedule depends on steps_done
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, warmup_steps=4, max_grad_norm=1.0)
-DATA = RandomBatches(CFG.vocab_size, batch_size=2, seq_len=16, grad_accum=2, seed=1)
 BEFORE, AFTER = 3, 3
 
 
@@ -57,20 +59,22 @@ class Case:
     ckpt: str
 
 
-def _build(case: Case, group: TPGroup) -> tuple[LlamaForCausalLM, Trainer]:
-    plan = PLANS[group.size]
-    model = build_model(CFG, plan, group, seed=5, lora=case.lora)
-    return model, Trainer(model, CFG, plan, group, OPTIM)
+def _build(case: Case, group: TPGroup) -> TPSession:
+    source = ModelSource(cfg=CFG, seed=5, lora=case.lora)
+    return TPSession(source, PLANS[group.size], group, OPTIM, Strategy.XRONOS)
 
 
-def _run(trainer: Trainer, start: int, steps: int) -> list[float]:
-    batches = DATA.steps(start)
-    return [trainer.step(next(batches))[0] for _ in range(steps)]
+def _run(session: TPSession, start: int, steps: int) -> list[float]:
+    data = RandomBatches(
+        CFG.vocab_size, batch_size=2, seq_len=16, grad_accum=2, seed=1, position=start
+    )
+    return [session.step(data.next_step()).loss for _ in range(steps)]
 
 
-def _snapshot(model: LlamaForCausalLM, trainer: Trainer, group: TPGroup) -> dict[str, Any]:
+def _snapshot(session: TPSession, group: TPGroup) -> dict[str, Any]:
     """Full trainable parameters and AdamW state (collective), keyed like the checkpoint."""
     out: dict[str, Any] = {}
+    model, trainer = session.model, session.trainer
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -90,22 +94,20 @@ def _save_world(ctx: WorkerContext, cases: list[Case]) -> list[dict[str, Any]]:
     results = []
     for case in cases:
         torch.manual_seed(100 + ctx.rank)  # a different global RNG per rank
-        model, trainer = _build(case, ctx.group)
-        _run(trainer, 0, BEFORE)
-        extra = {"model": {"preset": None, "seed": 5}, "data": {"step": trainer.steps_done}}
-        save_checkpoint(case.ckpt, model=model, trainer=trainer, cfg=CFG, plan=PLANS[3],
-                        group=ctx.group, extra=extra)
+        session = _build(case, ctx.group)
+        _run(session, 0, BEFORE)
+        extra = {"model": {"preset": None, "seed": 5}, "data": {"step": session.steps_done}}
+        session.save(Path(case.ckpt), extra)
         rng = torch.get_rng_state()
-        saved = _snapshot(model, trainer, ctx.group)
-        uninterrupted = _run(trainer, BEFORE, AFTER)
+        saved = _snapshot(session, ctx.group)
+        uninterrupted = _run(session, BEFORE, AFTER)
         torch.manual_seed(12345)  # disturb: the load must bring the saved state back
-        fresh, fresh_trainer = _build(case, ctx.group)
-        got = load_checkpoint(case.ckpt, model=fresh, trainer=fresh_trainer, cfg=CFG,
-                              plan=PLANS[3], group=ctx.group)
+        fresh = _build(case, ctx.group)
+        got = fresh.load(case.ckpt)
         results.append({
             "saved": saved, "rng": rng, "extra": got, "same_rng": torch.get_rng_state(),
-            "reloaded": _snapshot(fresh, fresh_trainer, ctx.group),
-            "uninterrupted": uninterrupted, "resumed": _run(fresh_trainer, BEFORE, AFTER),
+            "reloaded": _snapshot(fresh, ctx.group),
+            "uninterrupted": uninterrupted, "resumed": _run(fresh, BEFORE, AFTER),
         })
     return results
 
@@ -114,13 +116,12 @@ def _load_world(ctx: WorkerContext, cases: list[Case]) -> list[dict[str, Any]]:
     results = []
     for case in cases:
         torch.manual_seed(777)
-        model, trainer = _build(case, ctx.group)
-        extra = load_checkpoint(case.ckpt, model=model, trainer=trainer, cfg=CFG,
-                                plan=PLANS[ctx.world_size], group=ctx.group)
+        session = _build(case, ctx.group)
+        extra = session.load(case.ckpt)
         rng = torch.get_rng_state()
         results.append({
-            "rng": rng, "reloaded": _snapshot(model, trainer, ctx.group),
-            "resumed": _run(trainer, int(extra["data"]["step"]), AFTER),
+            "rng": rng, "reloaded": _snapshot(session, ctx.group),
+            "resumed": _run(session, int(extra["data"]["step"]), AFTER),
         })
     return results
 

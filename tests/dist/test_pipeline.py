@@ -2,7 +2,8 @@
 
 One world per world size runs every case (spawning ranks costs more than the math): 2
 stages with layers [1, 3], 3 stages with layers [2, 1, 1]; full fine-tuning and LoRA, tied
-and untied embeddings. Each case is compared with ``run_local`` on the same job.
+and untied embeddings. Each case runs the product's own worker (pipeline session, the one
+loop) and is compared with the same worker on one device (``single``).
 """
 
 from __future__ import annotations
@@ -14,21 +15,21 @@ from typing import Any
 import pytest
 import torch
 
+from tests.dist import product
 from tests.dist.world import WorkerContext, run_world
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
-from xronos.engine.job import ModelSource, RandomBatches, TrainJob
-from xronos.engine.pipeline import PipelineRunner
-from xronos.engine.pipeline_worker import PipelineJob, pipeline_worker, stall_ratios
-from xronos.engine.schedule import Action, gpipe, one_f_one_b, schedule, split_microbatches
-from xronos.engine.trainer import OptimConfig
-from xronos.engine.worker import TrainResult, run_local
 from xronos.errors import UserError
-from xronos.metrics import analyze_pipeline_step, is_pipeline
-from xronos.metrics.recorder import SpanRecorder, use_recorder
+from xronos.metrics import analyze_pipeline_step, is_pipeline, stall_ratio
+from xronos.metrics.recorder import SpanRecorder
 from xronos.model.lora import LoRAConfig
+from xronos.pipeline.runner import PipelineRunner
+from xronos.pipeline.schedule import Action, gpipe, one_f_one_b, schedule, split_microbatches
+from xronos.pipeline.session import PipelineSession
 from xronos.planner.pipeline import PipelinePlan
-from xronos.planner.plan import Plan
+from xronos.run.worker import FinetuneJob, WorkerResult, finetune_worker
+from xronos.train.loop import run_step
+from xronos.train.session import Strategy
 
 # PP runs the single-device arithmetic; only the order of some sums changes (CE summed per
 # smaller micro-batch, the tied matrix's two gradient halves added after the schedule, the
@@ -57,33 +58,25 @@ def _job(
     lora: bool,
     m: int = 4,
     batch_size: int = 2,
-) -> PipelineJob:
-    cfg = _cfg(tied)
+) -> FinetuneJob:
     devices = tuple(f"rank{i}" for i in range(len(ranges)))
-    return PipelineJob(
-        model=ModelSource(
-            cfg=cfg, seed=5, lora=LoRAConfig(r=4, alpha=8.0, dropout=0.1) if lora else None
-        ),
-        pipeline=PipelinePlan(devices, ranges, (), m),
-        strategy=strategy,
-        optim=OptimConfig(lr=1e-2 if lora else 3e-3, max_grad_norm=1.0, weight_decay=0.01),
-        data=RandomBatches(
-            100, batch_size=batch_size, seq_len=16, grad_accum=2, seed=1, repeat=True
-        ),
+    return product.job(
+        _cfg(tied),
+        lora=LoRAConfig(r=4, alpha=8.0, dropout=0.1) if lora else None,
         steps=STEPS,
-        return_state=True,
+        pipeline=PipelinePlan(devices, ranges, (), m),
+        strategy=Strategy(strategy),
+        batch_size=batch_size,
+        keep_records=True,
     )
 
 
-def _reference(job: PipelineJob) -> TrainResult:
-    cfg = job.model.cfg
-    return run_local(
-        TrainJob(model=job.model, plan=Plan.single(cfg), optim=job.optim, data=job.data,
-                 steps=job.steps, return_state=True)
-    )
+def _pplan(job: FinetuneJob) -> PipelinePlan:
+    assert job.session.pipeline is not None
+    return job.session.pipeline
 
 
-def _variants(ranges: tuple[tuple[int, int], ...], **kw: Any) -> dict[str, PipelineJob]:
+def _variants(ranges: tuple[tuple[int, int], ...], **kw: Any) -> dict[str, FinetuneJob]:
     return {
         f"{strategy}/{'lora' if lora else 'full'}/{'tied' if tied else 'untied'}": _job(
             strategy, ranges, tied=tied, lora=lora, **kw
@@ -97,64 +90,71 @@ def _variants(ranges: tuple[tuple[int, int], ...], **kw: Any) -> dict[str, Pipel
 # ----------------------------------------------------------------------------- workers
 
 
-def _custom_loop(ctx: WorkerContext, job: PipelineJob, mode: str) -> dict[str, Any]:
-    """``interleaved``: isolated compute after every step (it must not disturb training).
-    ``no-tied-sync``: the tied-gradient exchange left out (the control that must fail)."""
-    runner = PipelineRunner(job.model, job.pipeline, ctx.group, job.optim, strategy=job.strategy)
+def _custom_loop(ctx: WorkerContext, job: FinetuneJob, mode: str) -> dict[str, Any]:
+    """The product's session and step, driven by hand. ``interleaved``: isolated compute
+    after every step (it must not disturb training). ``no-tied-sync``: the tied-gradient
+    exchange left out (the control that must fail)."""
+    spec = job.session
+    session = PipelineSession(spec.source, _pplan(job), ctx.group, spec.optim, spec.strategy)
     if mode == "no-tied-sync":
-        runner._sync_tied = lambda p2p: None  # type: ignore[method-assign]
+        session.runner._sync_tied = lambda p2p: None  # type: ignore[method-assign]
     rec = SpanRecorder(ctx.rank, ctx.device)
-    losses, observed, isolated = [], [], []
-    batches = job.data.steps(0)
-    for step in range(job.steps):
-        micro = next(batches)
-        rec.start_step(step)
-        with use_recorder(rec):
-            losses.append(runner.step(micro)[0])
-        record = rec.end_step()
-        assert record is not None
-        observed.append([s.name for s in record.computes])
+    losses, observed, isolated, spans = [], [], [], []
+    data = dataclasses.replace(job.data)  # type: ignore[type-var]
+    for _ in range(job.steps):
+        outcome = run_step(session, data.next_step(), ctx.group, rec)
+        losses.append(outcome.result.loss)
+        mine = next(r for r in outcome.records if r.rank == ctx.rank)
+        observed.append([s.name for s in mine.computes])
+        spans += mine.computes
         if mode == "interleaved":
-            isolated.append([s.name for s in runner.isolated_compute(micro)])
-    state = runner.gather_state()
-    runner.close()
+            replay = session.isolated_compute(outcome.micro)
+            isolated.append([s.name for s in replay])
+            stall = stall_ratio(spans, replay)
+            assert 0.0 <= stall < 1.0
+    state = session.gather_state()
+    session.close()
     return {"losses": losses, "state": state, "observed": observed, "isolated": isolated}
 
 
-def _run_cases(ctx: WorkerContext, cases: dict[str, tuple[str, PipelineJob]]) -> dict[str, Any]:
+def _run_cases(ctx: WorkerContext, cases: dict[str, tuple[str, FinetuneJob]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (mode, job) in cases.items():
-        out[name] = pipeline_worker(ctx, job) if mode == "plain" else _custom_loop(ctx, job, mode)
+        out[name] = finetune_worker(ctx, job) if mode == "plain" else _custom_loop(ctx, job, mode)
     return out
 
 
 # ----------------------------------------------------------------------------- checks
 
 
-def _assert_same_run(losses: list[float], state: dict[str, torch.Tensor], ref: TrainResult) -> None:
+def _assert_same_run(
+    losses: list[float], state: dict[str, torch.Tensor] | None, ref: WorkerResult
+) -> None:
     assert losses == pytest.approx(ref.losses, rel=LOSS_RTOL)
-    assert ref.state is not None
+    assert ref.state is not None and state is not None
     assert state.keys() == ref.state.keys()
     for name, want in ref.state.items():
         torch.testing.assert_close(state[name], want, atol=PARAM_ATOL, rtol=PARAM_RTOL, msg=name)
 
 
-def _expected_computes(job: PipelineJob, stage: int) -> list[str]:
-    n, m = job.pipeline.num_stages, job.pipeline.num_microbatches
+def _expected_computes(job: FinetuneJob, stage: int) -> list[str]:
+    pplan = _pplan(job)
+    n, m = pplan.num_stages, pplan.num_microbatches
     return [
-        f"{'fwd' if a.kind == 'F' else 'bwd'}:mb{a.mb}" for a in schedule(job.strategy, stage, n, m)
+        f"{'fwd' if a.kind == 'F' else 'bwd'}:mb{a.mb}"
+        for a in schedule(job.session.strategy.value, stage, n, m)
     ]
 
 
-def _check_plain(name: str, job: PipelineJob, per_rank: list[Any]) -> None:
-    ref = _reference(job)
+def _check_plain(name: str, job: FinetuneJob, per_rank: list[WorkerResult]) -> None:
+    ref = product.single(job)
     assert ref.losses[-1] < ref.losses[0] - 0.05, f"{name}: the run should learn something"
     for r in per_rank:
         _assert_same_run(r.losses, r.state, ref)
         assert r.grad_norms == pytest.approx(ref.grad_norms, rel=LOSS_RTOL), name
+        assert r.plan == _pplan(job).to_dict(), name
     result = per_rank[0]
-    n = job.pipeline.num_stages
-    assert len(result.records) == STEPS and len(result.isolated) == n, name
+    assert len(result.records) == STEPS, name
     for records in result.records:
         assert is_pipeline(records)
         metrics = analyze_pipeline_step(records)
@@ -172,24 +172,23 @@ def _check_plain(name: str, job: PipelineJob, per_rank: list[Any]) -> None:
         assert sent == got and sent, name
         for r in records:  # the stage ran its schedule, micro-batch by micro-batch
             assert [s.name for s in r.computes] == _expected_computes(job, r.rank), name
-    for rank, spans in enumerate(result.isolated):
-        assert [s.name for s in spans] == _expected_computes(job, rank), name
-    assert all(0.0 <= s < 1.0 for s in stall_ratios(result, skip_warmup=1)), name
 
 
-def _check_world(cases: dict[str, tuple[str, PipelineJob]], world: int) -> None:
+def _check_world(cases: dict[str, tuple[str, FinetuneJob]], world: int) -> None:
     per_rank = run_world(_run_cases, world, cases, timeout_s=120.0)
     for name, (mode, job) in cases.items():
         results = [r[name] for r in per_rank]
         if mode == "plain":
             _check_plain(name, job, results)
         elif mode == "interleaved":
-            for r in results:
-                _assert_same_run(r["losses"], r["state"], _reference(job))
+            for rank, r in enumerate(results):
+                _assert_same_run(r["losses"], r["state"], product.single(job))
                 assert r["isolated"] == r["observed"], name
+                assert r["isolated"][0] == _expected_computes(job, rank), name
         else:  # the control: without the tied-gradient exchange the run must differ
             with pytest.raises(AssertionError):
-                _assert_same_run(results[0]["losses"], results[0]["state"], _reference(job))
+                ref = product.single(job)
+                _assert_same_run(results[0]["losses"], results[0]["state"], ref)
 
 
 @pytest.mark.slow
@@ -209,6 +208,7 @@ def test_three_uneven_stages_match_single_process() -> None:
     cases = {name: ("plain", job) for name, job in _variants(ranges, batch_size=3).items()}
     # fewer micro-batches than stages: 1F1B's warm-up is cut short
     cases["pp-1f1b/m2"] = ("plain", _job("pp-1f1b", ranges, tied=True, lora=False, m=2))
+    cases["interleaved/3"] = ("interleaved", _job("pp-1f1b", ranges, tied=True, lora=True))
     _check_world(cases, 3)
 
 
@@ -273,19 +273,19 @@ def test_split_microbatches() -> None:
 
 def test_runner_rejects_a_plan_for_another_cluster() -> None:
     job = _job("pp-1f1b", ((0, 1), (1, 4)), tied=True, lora=False)
+    src, pplan, optim = job.session.source, _pplan(job), job.session.optim
     with pytest.raises(UserError, match="2 stages but 1 devices"):
-        PipelineRunner(job.model, job.pipeline, TPGroup(), job.optim)
-    single = dataclasses.replace(job.pipeline, devices=("a",), layer_ranges=((0, 3),))
+        PipelineRunner(src, pplan, TPGroup(), optim)
+    single = dataclasses.replace(pplan, devices=("a",), layer_ranges=((0, 3),))
     with pytest.raises(UserError, match="covers 3 layers"):
-        PipelineRunner(job.model, single, TPGroup(), job.optim)
+        PipelineRunner(src, single, TPGroup(), optim)
     with pytest.raises(UserError, match="unknown pipeline strategy"):
-        PipelineRunner(job.model, job.pipeline, TPGroup(), job.optim, strategy="pp-zb")
+        PipelineRunner(src, pplan, TPGroup(), optim, strategy="pp-zb")
 
 
 @pytest.mark.parametrize("strategy", ["pp-gpipe", "pp-1f1b"])
 def test_one_stage_matches_single_process(strategy: str) -> None:
     job = _job(strategy, ((0, 4),), tied=True, lora=False)
-    runner = PipelineRunner(job.model, job.pipeline, TPGroup(), job.optim, strategy=strategy)
-    batches = job.data.steps(0)
-    losses = [runner.step(next(batches))[0] for _ in range(job.steps)]
-    _assert_same_run(losses, runner.gather_state(), _reference(job))
+    ctx = WorkerContext(0, 1, "local", TPGroup(), 0.0, ("local",))
+    result = finetune_worker(ctx, job)
+    _assert_same_run(result.losses, result.state, product.single(job))

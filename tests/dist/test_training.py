@@ -1,4 +1,9 @@
-"""Training on uneven tensor-parallel splits follows the single-process run step by step."""
+"""Tensor-parallel training on uneven splits follows the single-device run step by step.
+
+Every case runs the product's own worker (:func:`xronos.run.worker.finetune_worker`: the
+session, the one loop) on gloo ranks and compares losses, gradient norms and the final
+parameters with the same worker on one device.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,12 @@ import dataclasses
 import pytest
 import torch
 
+from tests.dist import product
 from tests.dist.world import WorkerContext, run_world
 from xronos.config import ModelConfig
-from xronos.engine.job import ModelSource, RandomBatches, TrainJob
-from xronos.engine.trainer import OptimConfig
-from xronos.engine.worker import run_local, train_worker
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import Plan
+from xronos.run.worker import FinetuneJob, WorkerResult, finetune_worker
 
 # Losses agree to ~1e-7 relative in practice; 1e-4 is the contract (DESIGN §3).
 # Parameters: Adam divides each update by sqrt(v), so an entry whose gradient is at the fp32
@@ -28,44 +32,46 @@ CFG = ModelConfig(
     vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
     num_kv_heads=2, tie_word_embeddings=True,
 )
+UNTIED = dataclasses.replace(CFG, tie_word_embeddings=False)
 
 
-def _job(cfg: ModelConfig, plan: Plan, lora: LoRAConfig | None, steps: int = 20) -> TrainJob:
-    return TrainJob(
-        model=ModelSource(cfg=cfg, seed=5, lora=lora),
-        plan=plan,
-        optim=OptimConfig(lr=1e-2 if lora else 3e-3, max_grad_norm=1.0, weight_decay=0.01),
-        data=RandomBatches(cfg.vocab_size, batch_size=2, seq_len=16, grad_accum=2, seed=1, repeat=True),
-        steps=steps,
-        return_state=True,
-    )
-
-
-def _assert_same_run(results: list, ref) -> None:  # type: ignore[no-untyped-def]
+def _assert_same_run(results: list[WorkerResult], ref: WorkerResult) -> None:
+    assert ref.state is not None
     for r in results:
         assert r.losses == pytest.approx(ref.losses, rel=LOSS_RTOL)
+        assert r.grad_norms == pytest.approx(ref.grad_norms, rel=LOSS_RTOL)
     state = results[0].state
-    assert state.keys() == ref.state.keys()
+    assert state is not None and state.keys() == ref.state.keys()
     for name, want in ref.state.items():
         torch.testing.assert_close(state[name], want, atol=PARAM_ATOL, rtol=PARAM_RTOL, msg=name)
 
 
-def _train_variants(ctx: WorkerContext, jobs: list[TrainJob]) -> list:
-    return [train_worker(ctx, job) for job in jobs]
+def _variants(ctx: WorkerContext, jobs: list[FinetuneJob]) -> list[WorkerResult]:
+    return [finetune_worker(ctx, job) for job in jobs]
 
 
 @pytest.mark.slow
 def test_three_uneven_ranks_match_single_process() -> None:
-    shares = [3.0, 1.5, 1.0]
     jobs = [
-        _job(CFG, Plan.from_shares(CFG, shares, mlp_chunk=8, vocab_chunk=8), lora)
-        for lora in (None, LoRAConfig(r=4, alpha=8.0, dropout=0.1))
+        product.job(
+            cfg,
+            plan=Plan.from_shares(cfg, [3.0, 1.5, 1.0], mlp_chunk=8, vocab_chunk=8),
+            lora=lora,
+            steps=20 if cfg is CFG else 6,
+        )
+        for cfg, lora in (
+            (CFG, None),
+            (CFG, LoRAConfig(r=4, alpha=8.0, dropout=0.1)),
+            (UNTIED, None),
+        )
     ]
-    per_rank = run_world(_train_variants, 3, jobs)
+    per_rank = run_world(_variants, 3, jobs)
     for i, job in enumerate(jobs):
-        ref = run_local(dataclasses.replace(job, plan=Plan.single(CFG)))
+        ref = product.single(job)
         assert ref.losses[-1] < ref.losses[0] - 0.05, "the run should learn something"
         _assert_same_run([rank[i] for rank in per_rank], ref)
+        # the workers ran the plan they were given, each with its own slice
+        assert per_rank[0][i].plan == job.session.plan.to_dict()  # type: ignore[union-attr]
 
 
 @pytest.mark.slow
@@ -73,13 +79,12 @@ def test_more_devices_than_kv_groups() -> None:
     # 4 ranks, 2 KV groups: two ranks hold no attention at all, only MLP and vocab work.
     plan = Plan.from_shares(CFG, [1, 1, 1, 1], mlp_chunk=8, vocab_chunk=8)
     plan = dataclasses.replace(plan, attn=(1, 0, 1, 0))
-    job = _job(CFG, plan, None, steps=6)
-    results = run_world(train_worker, 4, job)
-    _assert_same_run(results, run_local(dataclasses.replace(job, plan=Plan.single(CFG))))
+    job = product.job(CFG, plan=plan, lora=None, steps=6)
+    _assert_same_run(run_world(finetune_worker, 4, job), product.single(job))
 
 
-def _train_without(ctx: WorkerContext, arg: tuple[TrainJob, str]):  # type: ignore[no-untyped-def]
-    import xronos.engine.trainer as trainer
+def _train_without(ctx: WorkerContext, arg: tuple[FinetuneJob, str]) -> WorkerResult:
+    import xronos.train.trainer as trainer
 
     job, dropped = arg
     original = trainer.partial_grad
@@ -88,7 +93,7 @@ def _train_without(ctx: WorkerContext, arg: tuple[TrainJob, str]):  # type: igno
         return original(name) and f"{dropped}" not in name
 
     trainer.partial_grad = fewer
-    return train_worker(ctx, job)
+    return finetune_worker(ctx, job)
 
 
 @pytest.mark.slow
@@ -96,8 +101,8 @@ def test_lora_needs_both_gradient_all_reduces() -> None:
     """Dropping the all-reduce of A on column-parallel bases, or of B on row-parallel
     bases, must break the equivalence check used above (losses and final parameters)."""
     plan = Plan.from_shares(CFG, [2.0, 1.0], mlp_chunk=8, vocab_chunk=8)
-    job = _job(CFG, plan, LoRAConfig(r=4, alpha=8.0), steps=8)
-    ref = run_local(dataclasses.replace(job, plan=Plan.single(CFG)))
+    job = product.job(CFG, plan=plan, lora=LoRAConfig(r=4, alpha=8.0), steps=8)
+    ref = product.single(job)
     _assert_same_run(run_world(_train_without, 2, (job, "nothing")), ref)  # the control
     for dropped in ("q_proj.lora_A", "down_proj.lora_B"):
         with pytest.raises(AssertionError):

@@ -21,14 +21,15 @@ from xronos.checkpoint import checkpoint_path, save_checkpoint
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig, tiny
 from xronos.data.builtin_tokenizer import builtin_tokenizer
-from xronos.engine.job import RandomBatches
-from xronos.engine.trainer import OptimConfig, Trainer
 from xronos.errors import UserError
 from xronos.export import export_hf, export_peft
 from xronos.model.llama import LlamaForCausalLM
 from xronos.model.lora import LoRAConfig
 from xronos.parallel.shard import build_model
 from xronos.planner.plan import Plan
+from xronos.train.batches import RandomBatches
+from xronos.train.optim import OptimConfig
+from xronos.train.trainer import Trainer
 
 # fp32 on both sides; transformers/peft evaluate the same products in another order
 # (fused attention kernel, LoRA branch added separately), which moves logits of magnitude
@@ -49,13 +50,14 @@ def _fine_tune(
     model = build_model(cfg, plan, TPGroup(), model_dir=model_dir, seed=seed, lora=lora)
     trainer = Trainer(model, cfg, plan, TPGroup(), OptimConfig(lr=1e-2 if lora else 2e-3))
     batches = RandomBatches(cfg.vocab_size, batch_size=2, seq_len=16, seed=4, repeat=True)
-    for micro in (next(batches.steps(0)) for _ in range(4)):
-        trainer.step(micro)
+    for _ in range(4):
+        trainer.step(batches.next_step())
     ckpt = checkpoint_path(run, trainer.steps_done)
     save_checkpoint(
         ckpt,
         model=model,
-        trainer=trainer,
+        optimizer=trainer.optimizer,
+        step=trainer.steps_done,
         cfg=cfg,
         plan=plan,
         group=TPGroup(),

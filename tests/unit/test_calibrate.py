@@ -5,43 +5,42 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
+from xronos.comm.mappings import TPGroup
 from xronos.config import small
-from xronos.engine.calibrate import Round, fit, segment_times, settled
-from xronos.metrics.records import Span, StepRecord
+from xronos.metrics.recorder import SpanRecorder, use_recorder
+from xronos.metrics.records import COLLECTIVE, Span, StepRecord
+from xronos.parallel.shard import build_model
 from xronos.planner import plan_tp
-from xronos.planner.plan import SEGMENTS, Plan
-from xronos.planner.solve import DEFAULT_REPLICATED_SHARE
+from xronos.planner.calibrate import Round, fit, segment_times, settled
+from xronos.planner.plan import SEGMENTS, Plan, parse_segment_kind, segment_kind
 from xronos.planner.profile import CostCurve, DeviceProfile
+from xronos.planner.solve import DEFAULT_REPLICATED_SHARE
 
 CFG = small()
 
 
 def _record(spans: list[tuple[str, float]], tail: float = 0.0) -> StepRecord:
-    """A pass whose compute before each named collective lasts the given seconds; every
-    collective itself lasts 1 ms."""
+    """A pass whose compute before each tagged collective lasts the given seconds; every
+    collective itself lasts 1 ms. A tag is ``segment`` or ``segment@layer`` (what the
+    seams record as the span's kind) or ``-`` for a collective that closes no segment."""
     t, out = 0.0, []
-    for name, compute in spans:
-        out.append(Span(name, t + compute, t + compute + 0.001))
+    for tag, compute in spans:
+        kind = COLLECTIVE if tag == "-" else tag
+        out.append(Span(f"c{len(out)}", t + compute, t + compute + 0.001, kind))
         t += compute + 0.001
     return StepRecord(0, "d", 0, 0.0, t + tail, collectives=tuple(out))
 
 
 def test_layer_segments_are_the_median_layer_times_the_layer_count() -> None:
-    fwd = [(f"L{i}.attn.out.fwd", 0.010) for i in range(4)]
-    fwd[2] = ("L2.attn.out.fwd", 0.050)  # one span stretched by a hiccup
-    mlp = [(f"L{i}.mlp.out.fwd", 0.020) for i in range(4)]
-    bwd = [(f"L{i}.attn.in.bwd", 0.005) for i in range(4)]
+    fwd = [(segment_kind("attn", i), 0.010) for i in range(4)]
+    fwd[2] = (segment_kind("attn", 2), 0.050)  # one span stretched by a hiccup
+    mlp = [(segment_kind("mlp", i), 0.020) for i in range(4)]
+    bwd = [(segment_kind("attn", i), 0.005) for i in range(4)]
+    vocab = segment_kind("vocab")
     rec = _record(
-        [
-            ("embed.fwd", 0.001),
-            *fwd,
-            *mlp,
-            ("vocab.ce", 0.007),
-            ("head.bwd", 0.003),
-            *bwd,
-            ("grads.norm", 0.004),
-        ],
+        [(vocab, 0.001), *fwd, *mlp, (vocab, 0.007), (vocab, 0.003), *bwd, ("-", 0.004)],
         tail=0.002,
     )
     t = segment_times(rec)
@@ -49,6 +48,30 @@ def test_layer_segments_are_the_median_layer_times_the_layer_count() -> None:
     assert t["mlp"] == pytest.approx(4 * 0.020)
     assert t["vocab"] == pytest.approx(0.001 + 0.007 + 0.003)
     assert t["other"] == pytest.approx(0.004 + 0.002)
+
+
+def test_every_tensor_parallel_collective_names_its_segment_and_layer() -> None:
+    """The seams tag what calibration reads: a real forward+backward of a 2-rank shard (on
+    the silent group: collectives recorded, no peer needed) closes each layer's attention
+    and MLP with tagged collectives, the head's with ``vocab``, and nothing else but the
+    step's tail is untagged."""
+    cfg = dataclasses.replace(CFG, num_layers=3)
+    plan = Plan.from_shares(cfg, [2.0, 1.0], mlp_chunk=8, vocab_chunk=8)
+    model = build_model(cfg, plan, TPGroup(0, 2).silent(), seed=1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    rec = SpanRecorder(0)
+    rec.start_step(0)
+    with use_recorder(rec):
+        model.loss_sum(ids, ids).backward()
+    record = rec.end_step()
+    assert record is not None
+    tags = [parse_segment_kind(c.kind) for c in record.collectives]
+    assert None not in tags, [c.name for c in record.collectives]
+    for seg in ("attn", "mlp"):
+        layers = sorted(layer for s, layer in tags if s == seg and layer is not None)
+        assert layers == sorted(2 * list(range(cfg.num_layers))), seg  # forward + backward
+    assert any(s == "vocab" for s, _ in tags)
+    assert segment_times(record)["attn"] > 0 and segment_times(record)["mlp"] > 0
 
 
 def _profile(name: str, speed: float) -> DeviceProfile:

@@ -20,13 +20,14 @@ from xronos.checkpoint import (
 )
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
-from xronos.engine.job import RandomBatches
-from xronos.engine.trainer import OptimConfig, Trainer
 from xronos.errors import UserError
 from xronos.model.llama import LlamaForCausalLM
 from xronos.model.lora import LoRAConfig
 from xronos.parallel.shard import build_model
 from xronos.planner.plan import Plan
+from xronos.train.batches import RandomBatches
+from xronos.train.optim import OptimConfig
+from xronos.train.trainer import Trainer
 
 CFG = ModelConfig(
     vocab_size=100,
@@ -47,9 +48,9 @@ def _trained(
     plan = Plan.single(cfg)
     model = build_model(cfg, plan, TPGroup(), seed=seed, lora=lora)
     trainer = Trainer(model, cfg, plan, TPGroup(), OptimConfig(lr=1e-2))
-    batches = RandomBatches(cfg.vocab_size, batch_size=2, seq_len=8, seed=1).steps(0)
+    batches = RandomBatches(cfg.vocab_size, batch_size=2, seq_len=8, seed=1)
     for _ in range(steps):
-        trainer.step(next(batches))
+        trainer.step(batches.next_step())
     return model, trainer
 
 
@@ -57,7 +58,8 @@ def _save(ckpt: Path, model: LlamaForCausalLM, trainer: Trainer, cfg: ModelConfi
     save_checkpoint(
         ckpt,
         model=model,
-        trainer=trainer,
+        optimizer=trainer.optimizer,
+        step=trainer.steps_done,
         cfg=cfg,
         plan=Plan.single(cfg),
         group=TPGroup(),
@@ -66,9 +68,16 @@ def _save(ckpt: Path, model: LlamaForCausalLM, trainer: Trainer, cfg: ModelConfi
 
 
 def _load(ckpt: Path, model: LlamaForCausalLM, trainer: Trainer, cfg: ModelConfig = CFG) -> dict:
-    return load_checkpoint(
-        ckpt, model=model, trainer=trainer, cfg=cfg, plan=Plan.single(cfg), group=TPGroup()
+    loaded = load_checkpoint(
+        ckpt,
+        model=model,
+        optimizer=trainer.optimizer,
+        cfg=cfg,
+        plan=Plan.single(cfg),
+        group=TPGroup(),
     )
+    trainer.steps_done = loaded.step
+    return loaded.extra
 
 
 @pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])

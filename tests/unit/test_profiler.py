@@ -1,14 +1,39 @@
-"""Profiler: the line fit, and measurements that are positive and grow with the units."""
+"""Profiler: the line fit on synthetic timings, and measurements that grow with the units.
+
+No test here times anything for real: the fit is fed made-up points, and the measuring
+code runs with its timer replaced by a deterministic one (a fake clock, or a count of the
+floating-point operations of the timed step).
+"""
 
 from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
 
 from xronos.config import tiny
 from xronos.model.lora import LoRAConfig
+from xronos.planner.plan import segment_units
+from xronos.planner.profile import CostCurve
+from xronos.profiler import measure
 from xronos.profiler.measure import Shape, fit_line, measure_segments, unit_points
+
+SHAPE = Shape(cfg=tiny(), batch_size=2, seq_len=16, mlp_chunk=8, vocab_chunk=32)
+
+
+# -- the fit -----------------------------------------------------------------------------
+def test_fit_of_hand_computed_points() -> None:
+    # t = 0.3 + 0.2·u at u = 2, 4, 8. Float rounding of these short sums only: a few ulps
+    # of the largest time (1.9).
+    curve = fit_line([(2, 0.7), (4, 1.1), (8, 1.9)])
+    assert curve.a == pytest.approx(0.3, abs=1e-14)
+    assert curve.b == pytest.approx(0.2, abs=1e-14)
 
 
 @given(
@@ -18,6 +43,8 @@ from xronos.profiler.measure import Shape, fit_line, measure_segments, unit_poin
 )
 @settings(max_examples=100, deadline=None)
 def test_fit_recovers_an_exact_line(a: float, b: float, units: list[int]) -> None:
+    # Any fit that did not use the points (a constant, one point only, the wrong axis)
+    # misses some (a, b) drawn here.
     curve = fit_line([(u, a + b * u) for u in units])
     # least squares on exact points: only float rounding, relative to the largest time
     scale = a + b * max(units)
@@ -25,23 +52,133 @@ def test_fit_recovers_an_exact_line(a: float, b: float, units: list[int]) -> Non
     assert curve.b == pytest.approx(b, rel=1e-6)
 
 
-def test_fit_clamps_to_non_negative() -> None:
-    curve = fit_line([(1, 0.5), (2, 0.4), (4, 0.1)])  # decreasing: noise, not physics
-    assert curve.a >= 0 and curve.b > 0
+@pytest.mark.parametrize("seed", range(5))
+def test_fit_of_noisy_points_stays_within_the_noise_bound(seed: int) -> None:
+    rng = random.Random(seed)
+    a, b, eps = 0.05, 0.01, 0.002  # 2 ms of noise on a 50 ms + 10 ms/unit segment
+    units = [1, 2, 4, 8, 16]
+    curve = fit_line([(u, a + b * u + rng.uniform(-eps, eps)) for u in units])
+    # Least squares is linear in the noise ε: Δb = Σ(u−ū)ε_u / Σ(u−ū)² and
+    # Δa = mean(ε) − Δb·ū. With |ε| ≤ eps this bounds the error for *every* draw, so the
+    # tolerances are exact worst cases, not statistical ones (+1e-12 for float rounding).
+    mu = sum(units) / len(units)
+    var = sum((u - mu) ** 2 for u in units)
+    db = eps * sum(abs(u - mu) for u in units) / var
+    da = eps + db * mu
+    assert abs(curve.b - b) <= db + 1e-12
+    assert abs(curve.a - a) <= da + 1e-12
+    # and the bound is tight enough to mean something: well under the true values
+    assert db < b / 10 and da < a / 2
 
 
-def test_unit_points_are_distinct_and_in_range() -> None:
+def test_decreasing_points_clamp_to_a_flat_line_through_their_mean() -> None:
+    # Times that fall with the units are noise, not physics: the slope is floored at a
+    # tiny positive value and the intercept becomes the mean time.
+    pts = [(1, 0.5), (2, 0.4), (4, 0.1)]
+    curve = fit_line(pts)
+    assert curve.b == 1e-12
+    mean_t, mean_u = 1.0 / 3, 7.0 / 3
+    # a = mean_t − 1e-12·mean_u: the floor's share is far below float rounding of mean_t.
+    assert curve.a == pytest.approx(mean_t, abs=1e-11)
+    assert curve.a == pytest.approx(mean_t - 1e-12 * mean_u, abs=1e-15)
+
+
+def test_negative_intercept_is_clamped_and_the_slope_kept() -> None:
+    # The least-squares line of these points is t = −0.3 + 0.2·u: no time can be negative
+    # at u = 0+, so a is clamped to 0 and the fitted slope is kept (not refitted).
+    curve = fit_line([(2, 0.1), (4, 0.5), (6, 0.9)])
+    assert curve.a == 0.0
+    assert curve.b == pytest.approx(0.2, abs=1e-14)  # rounding of a three-term sum
+
+
+def test_degenerate_inputs() -> None:
+    assert fit_line([(4, 2.0)]) == CostCurve(0.0, 0.5)  # one point: through 0
+    # All points at one unit count (no spread): mean time over mean units, through 0.
+    assert fit_line([(3, 1.0), (3, 2.0)]) == CostCurve(0.0, 0.5)
+
+
+def test_unit_points() -> None:
+    assert unit_points(16) == [4, 8]
+    assert unit_points(257) == [64, 128]
+    assert unit_points(3) == [1]  # 3 // 4 and 3 // 2 both give 1 unit
+    assert unit_points(1) == [1]
     for total in (1, 2, 3, 16, 257):
         pts = unit_points(total)
         assert pts == sorted(set(pts)) and all(1 <= p <= total for p in pts)
 
 
+# -- the timer ---------------------------------------------------------------------------
+class FakeClock:
+    """``perf_counter`` that advances only when the timed function says how long it took."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_best_time_is_the_minimum_after_warmup(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(measure, "time", clock)
+    durations = iter([100.0, 5.0, 3.0, 4.0])  # the first run is the warm-up
+    calls = []
+
+    def fn() -> None:
+        calls.append(clock.now)
+        clock.now += next(durations)
+
+    assert measure.best_time(fn, repeats=3, warmup=1) == 3.0
+    assert len(calls) == 4  # the warm-up ran, and was not counted (it took 100)
+
+
+def flops_of(fn: Callable[[], None], repeats: int = 2, warmup: int = 0) -> float:
+    """A deterministic stand-in for ``best_time``: the FLOPs of one run of ``fn``."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
 @pytest.mark.parametrize("lora", [None, LoRAConfig(r=4)], ids=["full", "lora"])
-def test_measured_curves_are_positive(lora: LoRAConfig | None) -> None:
-    shape = Shape(cfg=tiny(), batch_size=2, seq_len=16, mlp_chunk=8, vocab_chunk=32, lora=lora)
-    curves, replicated = measure_segments(shape, repeats=1)
+@pytest.mark.parametrize("seg", ["attn", "mlp", "vocab"])
+def test_measured_work_grows_linearly_with_the_units(
+    monkeypatch: pytest.MonkeyPatch, seg: str, lora: LoRAConfig | None
+) -> None:
+    # The real shard of u units is built and run; only the clock is replaced by a count of
+    # its matmul FLOPs (forward + backward). Every matmul is either fixed (LoRA's
+    # replicated factor) or linear in the units, so the counts are exactly a line: a
+    # profiler that built the same shard whatever u was would fail here.
+    monkeypatch.setattr(measure, "best_time", flops_of)
+    shape = replace(SHAPE, lora=lora)
+    if seg == "vocab":
+        points = [measure.time_vocab(u, shape, repeats=1) for u in (1, 2, 3, 4)]
+    else:
+        points = [measure.time_layer_segment(seg, u, shape, repeats=1) for u in (1, 2, 3, 4)]
+    steps = [y - x for x, y in itertools.pairwise(points)]
+    assert steps[0] > 0 and steps == [steps[0]] * 3, points  # integer counts: exact
+
+
+@pytest.mark.parametrize("lora", [None, LoRAConfig(r=4)], ids=["full", "lora"])
+def test_measure_segments_fits_what_it_measured(
+    monkeypatch: pytest.MonkeyPatch, lora: LoRAConfig | None
+) -> None:
+    monkeypatch.setattr(measure, "best_time", flops_of)
+    shape = replace(SHAPE, lora=lora)
+    curves, _ = measure_segments(shape, repeats=1)
     assert set(curves) == {"attn", "mlp", "vocab"}
-    assert replicated > 0
-    for seg, c in curves.items():
-        assert c.a >= 0 and c.b > 0, seg
-        assert c(4) > 0 and c(0) == 0
+    totals = segment_units(shape.cfg, shape.mlp_chunk, shape.vocab_chunk)
+    layers = shape.cfg.num_layers
+    for seg, curve in curves.items():
+        # The line through two points of each segment's (exactly linear) work, scaled to
+        # all layers for attn and mlp; the fit must reproduce it at every unit count.
+        one = {
+            u: measure.time_vocab(u, shape, 1)
+            if seg == "vocab"
+            else measure.time_layer_segment(seg, u, shape, 1) * layers
+            for u in (1, 2, totals[seg])
+        }
+        for u, want in one.items():
+            # fit_line divides and subtracts counts of up to ~1e9: a few ulps of that
+            assert curve(u) == pytest.approx(want, rel=1e-9), (seg, u)
+        assert curve(totals[seg]) > curve(1) > curve(0) == 0.0

@@ -9,9 +9,10 @@ import torch
 
 from xronos.comm.mappings import TPGroup
 from xronos.config import tiny
-from xronos.engine.trainer import OptimConfig, Trainer
 from xronos.parallel.shard import build_model
 from xronos.planner.plan import Plan
+from xronos.train.optim import OptimConfig
+from xronos.train.trainer import Trainer
 
 
 def _trainer(**opt: object) -> Trainer:

@@ -7,17 +7,19 @@ assembles its new slices from the overlapping parts (see :mod:`.layout`).
 How a training loop uses it (every call is collective: all ranks of the group call it)::
 
     model = build_model(cfg, plan, group, model_dir=..., seed=seed, lora=lora)
-    trainer = Trainer(model, cfg, plan, group, optim)
+    optimizer = torch.optim.AdamW(...)
+    step = 0
     ckpt = latest_checkpoint(run_dir)            # None: start from scratch
     if ckpt is not None:
-        extra = load_checkpoint(ckpt, model=model, trainer=trainer, cfg=cfg, plan=plan,
-                                group=group)
-        batcher.load_state_dict(extra["data"])
-    while trainer.steps_done < steps:
-        trainer.step(...)
-        if trainer.steps_done % save_every == 0 or trainer.steps_done == steps:
-            save_checkpoint(checkpoint_path(run_dir, trainer.steps_done), model=model,
-                            trainer=trainer, cfg=cfg, plan=plan, group=group, extra=extra)
+        loaded = load_checkpoint(ckpt, model=model, optimizer=optimizer, cfg=cfg,
+                                 plan=plan, group=group)
+        step = loaded.step
+        batcher.load_state_dict(loaded.extra["data"])
+    while step < steps:
+        ...; step += 1
+        if step % save_every == 0 or step == steps:
+            save_checkpoint(checkpoint_path(run_dir, step), model=model, optimizer=optimizer,
+                            step=step, cfg=cfg, plan=plan, group=group, extra=extra)
 
 The ``extra`` dict (JSON) that the loop passes, read back by resume and export:
 
@@ -32,6 +34,7 @@ the checkpoint itself.
 """
 
 from xronos.checkpoint.load import (
+    Loaded,
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
@@ -40,6 +43,7 @@ from xronos.checkpoint.load import (
 from xronos.checkpoint.save import save_checkpoint
 
 __all__ = [
+    "Loaded",
     "checkpoint_path",
     "latest_checkpoint",
     "load_checkpoint",

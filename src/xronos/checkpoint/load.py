@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,10 +43,19 @@ from .state import (
     trainable,
 )
 
-if TYPE_CHECKING:
-    from xronos.engine.trainer import Trainer
-
 CHECKPOINTS = "checkpoints"
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What :func:`load_checkpoint` gives back besides the restored tensors."""
+
+    step: int
+    """Optimizer steps done when the checkpoint was written."""
+    extra: dict[str, Any]
+    """The caller's state passed to :func:`~xronos.checkpoint.save_checkpoint`."""
+
+
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
@@ -107,21 +117,23 @@ def load_checkpoint(
     ckpt_dir: str | os.PathLike[str],
     *,
     model: nn.Module,
-    trainer: Trainer | None,
+    optimizer: torch.optim.Optimizer | None,
     cfg: ModelConfig,
     plan: Plan,
     group: TPGroup,
-) -> dict[str, Any]:
+) -> Loaded:
     """Restore a checkpoint into this rank's freshly built shard; collective for LoRA runs.
 
     The saving world size and Plan may differ from ``group.size`` and ``plan``. The model
     must have been built from the same source (directory or preset + seed, same LoRA
     settings); its frozen base weights stay as built, its trainable parameters are
-    overwritten. With a ``trainer`` the AdamW state, ``steps_done``, the global torch RNG
-    and the LoRA dropout generators are restored too.
+    overwritten. With an ``optimizer`` its AdamW state, the global torch RNG and the LoRA
+    dropout generators are restored too (the step to continue from is the returned
+    ``step``).
 
     Returns:
-        The ``extra`` dict given to :func:`~xronos.checkpoint.save_checkpoint`.
+        The step the checkpoint was written at and the ``extra`` dict given to
+        :func:`~xronos.checkpoint.save_checkpoint`.
     Raises:
         UserError: incomplete/damaged checkpoint, or one written for another model shape,
             LoRA configuration or base weights.
@@ -152,16 +164,14 @@ def load_checkpoint(
                     f"model's shard is {list(p.shape)}; resume with the same model"
                 )
             p.copy_(value)
-            if trainer is not None:
+            if optimizer is not None:
                 state = _optim_state(reader, layouts, name, params[name], full, box)
-                trainer.optimizer.state.pop(p, None)
+                optimizer.state.pop(p, None)
                 if state:
-                    trainer.optimizer.state[p] = state
-        if trainer is not None:
+                    optimizer.state[p] = state
+        if optimizer is not None:
             _restore_rng(reader, layouts, model, group.rank)
-    if trainer is not None:
-        trainer.steps_done = int(meta["step"])
-    return dict(meta.get("extra") or {})
+    return Loaded(step=int(meta["step"]), extra=dict(meta.get("extra") or {}))
 
 
 def _box(full: tuple[int, ...], spec: ShardSpec | None) -> Box:

@@ -21,7 +21,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -45,15 +45,13 @@ from .state import (
     describe_lora,
 )
 
-if TYPE_CHECKING:
-    from xronos.engine.trainer import Trainer
-
 
 def save_checkpoint(
     ckpt_dir: str | os.PathLike[str],
     *,
     model: LlamaForCausalLM,
-    trainer: Trainer,
+    optimizer: torch.optim.Optimizer | None,
+    step: int,
     cfg: ModelConfig,
     plan: Plan,
     group: TPGroup,
@@ -63,8 +61,10 @@ def save_checkpoint(
 
     Args:
         ckpt_dir: the checkpoint directory to create (replaced if it exists), usually
-            :func:`~xronos.checkpoint.checkpoint_path` ``(run_dir, trainer.steps_done)``.
-        model, trainer: this rank's shard and its optimizer.
+            :func:`~xronos.checkpoint.checkpoint_path` ``(run_dir, step)``.
+        model: this rank's shard.
+        optimizer: its optimizer (AdamW moments are saved), or None for weights only.
+        step: optimizer steps done so far (what a resumed run continues from).
         cfg, plan, group: the model shape, the Plan the shard was built with, the group.
         extra: JSON-serialisable caller state (model source, data position, ...), returned
             by :func:`~xronos.checkpoint.load_checkpoint`. Rank 0's copy is written.
@@ -73,7 +73,7 @@ def save_checkpoint(
     """
     final = Path(ckpt_dir)
     extra_text = json.dumps(extra)  # fail early, on every rank alike, if not JSON
-    local = collect(model, trainer.optimizer, cfg, plan, group.rank)
+    local = collect(model, optimizer, cfg, plan, group.rank)
     fingerprint = base_fingerprint(model, cfg, plan, group)
     pid = torch.tensor([os.getpid() if group.rank == 0 else 0], dtype=torch.int64)
     group.all_reduce(pid, "ckpt.pid")
@@ -81,7 +81,7 @@ def save_checkpoint(
     meta = {
         "format": FORMAT,
         "version": VERSION,
-        "step": trainer.steps_done,
+        "step": step,
         "world_size": group.size,
         "plan": plan.to_dict(),
         "model_config": config_dict(cfg),

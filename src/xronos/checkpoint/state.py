@@ -77,7 +77,11 @@ class RankState:
 
 
 def collect(
-    model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ModelConfig, plan: Plan, rank: int
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    cfg: ModelConfig,
+    plan: Plan,
+    rank: int,
 ) -> RankState:
     """This rank's parameters, optimizer state and RNG states, keyed as in ``layout``."""
     out = RankState()
@@ -86,7 +90,7 @@ def collect(
         ranges = None if specs[0] is None else [(s.start, s.end) for s in specs if s is not None]
         dim = None if specs[0] is None else specs[0].dim
         out.add(f"param/{name}", p, rank, ranges, dim)
-        states = optimizer.state.get(p, {})
+        states = optimizer.state.get(p, {}) if optimizer is not None else {}
         out.params[name] = sorted(states)
         for kind, value in sorted(states.items()):
             if not isinstance(value, torch.Tensor):

@@ -8,21 +8,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from xronos.bench.report import build_report, write_outputs
+from xronos.bench.scenarios import SCENARIOS, get_scenario
+from xronos.bench.worker import BenchJob, BenchOutput, bench_worker
 from xronos.emulation import load_cluster
-from xronos.engine.bench import PP_STRATEGIES, TP_STRATEGIES, BenchJob, bench_worker
-from xronos.engine.bench_report import build_report, write_outputs
-from xronos.engine.cluster import run_on_cluster
-from xronos.engine.job import ModelSource
-from xronos.engine.scenarios import SCENARIOS, get_scenario
-from xronos.engine.trainer import OptimConfig
 from xronos.errors import UserError
 from xronos.metrics import format_bench_table
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import default_mlp_chunk, default_vocab_chunk
 from xronos.profiler.measure import Shape
 from xronos.profiler.run import load_cached, profile_key, store_cached
+from xronos.run.launch import fastest_device, run_on_cluster
+from xronos.run.sessions import ProfileSource, SessionSpec
+from xronos.train.optim import OptimConfig
+from xronos.train.session import Strategy
+from xronos.train.source import ModelSource
 
-ALL = TP_STRATEGIES[:2] + PP_STRATEGIES + TP_STRATEGIES[2:]
+ALL = ("xronos", "tp-even", "pp-gpipe", "pp-1f1b", "single")
+"""The default strategies, in the order they take turns and are tabled."""
 
 
 def register(sub: Any) -> None:
@@ -44,18 +47,17 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--cpu-period-ms",
         type=float,
-        default=2.5,
+        default=10.0,
         help="CFS period of the emulated CPU quota (default: %(default)s ms)",
     )
     p.set_defaults(run=run)
 
 
-def parse_strategies(text: str) -> tuple[str, ...]:
+def parse_strategies(text: str) -> tuple[Strategy, ...]:
     names = tuple(s.strip() for s in text.split(",") if s.strip())
-    bad = [n for n in names if n not in ALL]
-    if bad or not names:
-        raise UserError(f"--strategies: unknown {bad or text!r}; choose from {', '.join(ALL)}")
-    return names
+    if not names:
+        raise UserError(f"--strategies: none given; choose from {', '.join(ALL)}")
+    return tuple(Strategy.parse(n, flag="--strategies") for n in names)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,15 +88,18 @@ def run(args: argparse.Namespace) -> int:
     keys = tuple(profile_key(d.to_dict(), shape) for d in cluster.devices)
     cached = None if args.no_cache else load_cached(list(keys))
     job = BenchJob(
-        source=source,
-        shape=shape,
+        spec=SessionSpec(
+            source=source, strategy=Strategy.XRONOS, optim=OptimConfig(lr=1e-4), shape=shape
+        ),
         strategies=strategies,
         steps=scenario.steps,
         warmup=scenario.warmup,
-        optim=OptimConfig(lr=1e-4),
-        profile_keys=keys,
-        memory_caps=tuple(d.memory_bytes for d in cluster.devices),
-        profiles=tuple(cached) if cached else None,
+        profiles=ProfileSource(
+            memory_caps=tuple(d.memory_bytes for d in cluster.devices),
+            keys=keys,
+            cached=tuple(cached) if cached else None,
+        ),
+        fastest=fastest_device(cluster),
     )
     print(f"bench {scenario.name}: {scenario.description}", file=sys.stderr)
     t0 = time.perf_counter()
@@ -106,24 +111,22 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         cpu_period_us=int(args.cpu_period_ms * 1000),
     )
-    out = results[0]
+    out: BenchOutput = results[0]
     if cached is None:
-        from xronos.planner.profile import DeviceProfile
-
-        store_cached([DeviceProfile.from_dict(d) for d in out["profiles"]])
+        store_cached(out.measured)
     meta = {
         "command": "xronos " + " ".join(sys.argv[1:]) if sys.argv else "",
         "profile_cached": cached is not None,
-        "profiling_and_planning_s": out["planning_s"],
-        "profiling_s": out["profile_s"],
+        "profiling_and_planning_s": out.planning_s,
+        "profiling_s": out.profile_s,
         "wall_s": time.perf_counter() - t0,
     }
-    result = build_report(out, scenario, cluster, strategies, {"cfg": cfg, "meta": meta})
+    result = build_report(out, scenario, cluster, cfg, job.fastest, meta)
     write_outputs(result, Path(args.out), out)
     print(format_bench_table(result))
     print(
         f"ideal step time {result['ideal_step_time_s']:.3f} s; profiling+planning "
-        f"{out['planning_s']:.1f} s (profiling {out['profile_s']:.1f} s"
+        f"{out.planning_s:.1f} s (profiling {out.profile_s:.1f} s"
         f"{', cached' if cached else ''}); wrote {args.out}/bench.json, bench.png"
     )
     return 0

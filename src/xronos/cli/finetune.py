@@ -51,8 +51,8 @@ def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field[Any], hint: Any, 
 
 
 def run(args: argparse.Namespace) -> int:
-    from xronos.engine.report import RunMonitor
-    from xronos.engine.run import (
+    from xronos.run.monitor import RunMonitor
+    from xronos.run.prepare import (
         accuracy,
         launch_job,
         prepare,
@@ -84,19 +84,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         results = launch_job(prep, monitor.on_event)
     except KeyboardInterrupt:
-        monitor.finish({"step": monitor.losses[-1][0] if monitor.losses else 0})
+        monitor.finish(monitor.losses[-1][0] if monitor.losses else 0)
         raise
-    summary = monitor.finish(results[0])
-    if monitor.profiles and not prep.job.profiles:  # measured now: the next run skips it
+    result = results[0]
+    summary = monitor.finish(result.step)
+    if monitor.measured and not prep.job.profiles.cached:  # the next run skips profiling
         from xronos.planner.profile import DeviceProfile
         from xronos.profiler.run import store_cached
 
-        store_cached([DeviceProfile.from_dict(p) for p in monitor.profiles])
+        store_cached([DeviceProfile.from_dict(p) for p in monitor.measured])
     print()
     print(summary)
-    if results[0].get("stopped"):
+    if result.stopped:
         print(
-            f"xronos: interrupted at step {results[0]['step']}; checkpoint saved; continue "
+            f"xronos: interrupted at step {result.step}; checkpoint saved; continue "
             f"with: xronos finetune --resume {prep.run_dir}",
             file=sys.stderr,
         )

@@ -9,18 +9,23 @@ from typing import Any
 from xronos.cli.common import add_model_arg, parse_shares
 from xronos.comm.launch import WorkerContext, launch
 from xronos.comm.mappings import TPGroup
-from xronos.data import check_vocab, encode_prompt, resolve_tokenizer
-from xronos.engine.generate import GenerateJob, generate_worker
-from xronos.engine.job import ModelSource
+from xronos.data import check_vocab, encode_chat, encode_prompt, resolve_tokenizer
 from xronos.errors import UserError
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import Plan
+from xronos.run.generate import GenerateJob, generate_worker
+from xronos.train.source import ModelSource
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("generate", help="greedy decoding (optionally tensor-parallel)")
     add_model_arg(p)
     p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send --prompt as one user message through the model's chat template",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32, help="default: %(default)s")
     p.add_argument("--devices", type=int, default=1, help="local processes (default: 1)")
     p.add_argument(
@@ -70,7 +75,12 @@ def run(args: argparse.Namespace) -> int:
     source, checkpoint, base = run_source(args.model, args.seed)
     tok = resolve_tokenizer(base)
     check_vocab(tok, source.cfg.vocab_size)
-    prompt = tuple(encode_prompt(tok, args.prompt))  # as training sequences start
+    if args.chat and tok.chat_template is None:
+        raise UserError(f"--chat: {base} has no chat template; give the prompt without --chat")
+    if args.chat:  # as transformers' apply_chat_template(..., add_generation_prompt=True)
+        prompt = tuple(encode_chat(tok, [{"role": "user", "content": args.prompt}]))
+    else:  # as transformers' tokenizer(prompt), and as training sequences start
+        prompt = tuple(encode_prompt(tok, args.prompt))
     if not prompt:
         raise UserError("--prompt is empty after tokenisation; give some text")
     if len(prompt) + args.max_new_tokens > source.cfg.max_position_embeddings:

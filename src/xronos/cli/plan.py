@@ -6,10 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from xronos.engine.job import ModelSource
 from xronos.errors import UserError
 from xronos.planner import plan_even, plan_pipeline, plan_tp, predict
 from xronos.planner.profile import load_profiles
+from xronos.train.source import ModelSource
 from xronos.utils import atomic_write_text
 
 
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = ModelSource.from_name(model).cfg
     chunks = {"mlp_chunk": meta.get("mlp_chunk"), "vocab_chunk": meta.get("vocab_chunk")}
     if args.strategy == "pp":
-        from xronos.engine.bench import pipeline_microbatches, stage_costs
+        from xronos.pipeline.costs import pipeline_microbatches, stage_costs
 
         m = pipeline_microbatches(int(meta.get("batch_size", 1)), len(profiles), None)
         pplan = plan_pipeline(cfg.num_layers, stage_costs(profiles, cfg, m), m)

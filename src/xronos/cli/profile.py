@@ -9,14 +9,14 @@ from typing import Any
 
 from xronos.cli.common import add_model_arg
 from xronos.emulation import load_cluster
-from xronos.engine.cluster import run_on_cluster
-from xronos.engine.job import ModelSource
 from xronos.errors import UserError
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import default_mlp_chunk, default_vocab_chunk
-from xronos.profiler.measure import Shape
 from xronos.planner.profile import DeviceProfile, save_profiles
+from xronos.profiler.measure import Shape
 from xronos.profiler.run import load_cached, profile_key, profile_worker, store_cached
+from xronos.run.launch import run_on_cluster
+from xronos.train.source import ModelSource
 
 
 def register(sub: Any) -> None:

@@ -54,9 +54,9 @@ def run(args: argparse.Namespace) -> int:
     from xronos.comm.launch import WorkerContext
     from xronos.comm.mappings import TPGroup
     from xronos.emulation import ClusterSpec, DeviceSpec
-    from xronos.engine.finetune import finetune_worker
-    from xronos.engine.report import RunMonitor
-    from xronos.engine.run import accuracy, prepare, write_config
+    from xronos.run.monitor import RunMonitor
+    from xronos.run.prepare import accuracy, prepare, write_config
+    from xronos.run.worker import finetune_worker
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise UserError(
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             ctx.channel = _Direct(monitor)
         result = finetune_worker(ctx, prep.job)
         if monitor is not None:
-            print(monitor.finish(result))
+            print(monitor.finish(result.step))
         # Tear down together: a rank that destroys its process group while another still
         # writes the run's outputs can abort at exit inside gloo's transport threads.
         dist.barrier()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from xronos.metrics.recorder import current_recorder
+from xronos.metrics.records import COLLECTIVE
 
 
 @dataclass
@@ -31,9 +32,10 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     pg: dist.ProcessGroup | None = None
-    dry: bool = False
-    """Skip the communication but keep shapes and records: used to time the compute of a
-    step in isolation (the computation-stall measurement). Results are then wrong."""
+    communicate: bool = True
+    """False for a stand-in (:meth:`silent`) whose collectives are recorded but move no
+    data: a model built on it runs a step's compute alone, for the computation-stall
+    measurement. Its results are wrong by design; it never trains anything that is kept."""
 
     @classmethod
     def from_default(cls) -> TPGroup:
@@ -41,34 +43,41 @@ class TPGroup:
             return cls()
         return cls(rank=dist.get_rank(), size=dist.get_world_size(), pg=dist.group.WORLD)
 
-    def all_reduce(self, t: torch.Tensor, name: str, op: Any = dist.ReduceOp.SUM) -> None:
-        """In-place all-reduce of ``t`` (contiguous), timed and recorded as ``name``."""
+    def silent(self) -> TPGroup:
+        """The same rank and size, without communication (see ``communicate``)."""
+        return TPGroup(self.rank, self.size, None, communicate=False)
+
+    def all_reduce(
+        self, t: torch.Tensor, name: str, op: Any = dist.ReduceOp.SUM, kind: str = COLLECTIVE
+    ) -> None:
+        """In-place all-reduce of ``t`` (contiguous), timed and recorded as ``name``
+        (``kind`` tags the span, e.g. with the plan segment it closes)."""
         if self.size == 1:
             return
-        with current_recorder().collective(name):
-            if not self.dry:
+        with current_recorder().collective(name, kind):
+            if self.communicate:
                 dist.all_reduce(t, op=op, group=self.pg)
 
     def barrier(self) -> None:
         """Wait for every rank (bounded by the group's timeout; not recorded)."""
-        if self.size > 1:
+        if self.size > 1 and self.communicate:
             dist.barrier(group=self.pg)
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (control data, not recorded)."""
-        if self.size == 1:
-            return [obj]
+        if self.size == 1 or not self.communicate:
+            return [obj] * self.size
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
-    def all_gather(self, t: torch.Tensor, name: str) -> list[torch.Tensor]:
+    def all_gather(self, t: torch.Tensor, name: str, kind: str = COLLECTIVE) -> list[torch.Tensor]:
         """All-gather of equal-shaped tensors (gloo requires equal sizes on every rank)."""
         if self.size == 1:
             return [t]
         out = [torch.empty_like(t) for _ in range(self.size)]
-        with current_recorder().collective(name):
-            if self.dry:
+        with current_recorder().collective(name, kind):
+            if not self.communicate:
                 out = [t.clone() for _ in range(self.size)]
             else:
                 dist.all_gather(out, t.contiguous(), group=self.pg)
@@ -79,60 +88,64 @@ class _CopyToTP(torch.autograd.Function):
     """Forward: identity. Backward: all-reduce (sum) of the input gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: TPGroup, name: str) -> torch.Tensor:  # type: ignore[override]
-        ctx.group, ctx.name = group, name
+    def forward(ctx, x: torch.Tensor, group: TPGroup, name: str, kind: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.name, ctx.kind = group, name, kind
         return x
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         dy = dy.contiguous().clone()
-        ctx.group.all_reduce(dy, ctx.name + ".bwd")
-        return dy, None, None
+        ctx.group.all_reduce(dy, ctx.name + ".bwd", kind=ctx.kind)
+        return dy, None, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """Forward: all-reduce (sum). Backward: identity."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: TPGroup, name: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: TPGroup, name: str, kind: str) -> torch.Tensor:  # type: ignore[override]
         y = x.contiguous().clone()
-        group.all_reduce(y, name + ".fwd")
+        group.all_reduce(y, name + ".fwd", kind=kind)
         return y
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return dy, None, None
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        return dy, None, None, None
 
 
-def copy_to_tp(x: torch.Tensor, group: TPGroup, name: str = "copy") -> torch.Tensor:
+def copy_to_tp(
+    x: torch.Tensor, group: TPGroup, name: str = "copy", kind: str = COLLECTIVE
+) -> torch.Tensor:
     if group.size == 1:
         return x
-    return _CopyToTP.apply(x, group, name)  # type: ignore[no-any-return]
+    return _CopyToTP.apply(x, group, name, kind)  # type: ignore[no-any-return]
 
 
-def reduce_from_tp(x: torch.Tensor, group: TPGroup, name: str = "reduce") -> torch.Tensor:
+def reduce_from_tp(
+    x: torch.Tensor, group: TPGroup, name: str = "reduce", kind: str = COLLECTIVE
+) -> torch.Tensor:
     if group.size == 1:
         return x
-    return _ReduceFromTP.apply(x, group, name)  # type: ignore[no-any-return]
+    return _ReduceFromTP.apply(x, group, name, kind)  # type: ignore[no-any-return]
 
 
 class CopyToTP(torch.nn.Module):
     """Module form of :func:`copy_to_tp`, for the model's ``enter`` seam."""
 
-    def __init__(self, group: TPGroup, name: str) -> None:
+    def __init__(self, group: TPGroup, name: str, kind: str = COLLECTIVE) -> None:
         super().__init__()
-        self.group, self.name = group, name
+        self.group, self.name, self.kind = group, name, kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return copy_to_tp(x, self.group, self.name)
+        return copy_to_tp(x, self.group, self.name, self.kind)
 
 
 class ReduceFromTP(torch.nn.Module):
     """Module form of :func:`reduce_from_tp`, for the model's ``exit`` seam."""
 
-    def __init__(self, group: TPGroup, name: str) -> None:
+    def __init__(self, group: TPGroup, name: str, kind: str = COLLECTIVE) -> None:
         super().__init__()
-        self.group, self.name = group, name
+        self.group, self.name, self.kind = group, name, kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(x, self.group, self.name)
+        return reduce_from_tp(x, self.group, self.name, self.kind)

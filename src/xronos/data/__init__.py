@@ -2,17 +2,18 @@
 built-in smart-home data set."""
 
 from xronos.data import smarthome
-from xronos.data.builtin_tokenizer import builtin_tokenizer
+from xronos.data.builtin_tokenizer import builtin_tokenizer, resolve_tokenizer
 from xronos.data.dataset import (
     IGNORE_INDEX,
     Batcher,
     TokenizedDataset,
+    encode_chat,
     encode_prompt,
     split_train_eval,
     tokenize,
 )
 from xronos.data.formats import Example, load_examples, save_jsonl
-from xronos.data.tokenizer import Tokenizer, check_vocab, load_tokenizer, resolve_tokenizer
+from xronos.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
@@ -22,6 +23,7 @@ __all__ = [
     "Tokenizer",
     "builtin_tokenizer",
     "check_vocab",
+    "encode_chat",
     "encode_prompt",
     "load_examples",
     "load_tokenizer",

@@ -1,4 +1,5 @@
-"""The built-in tokenizer of the model presets: 512 tokens, no files, same every time.
+"""The built-in tokenizer of the model presets (512 tokens, no files, same every time),
+and :func:`resolve_tokenizer`, which picks it or a model directory's tokenizer.
 
 It is a WordPiece model over a fixed pre-tokenisation, so it round-trips any ASCII text
 exactly and keeps the built-in smart-home data set short::
@@ -6,6 +7,9 @@ exactly and keeps the built-in smart-home data set short::
     normalise    " " -> "▁"                 (spaces become visible, and recoverable)
     pre-tokenise ▁?[A-Za-z_]+ | ▁?[0-9] | any other single character
     WordPiece    whole word if in the vocabulary, else its letters: "▁" "##x" "##y" ...
+    post-process "<bos>" before the text (what ``encode(text, add_special_tokens=True)``
+                 and transformers' ``tokenizer(text)`` add; chat text, tokenised as
+                 ``apply_chat_template`` does it, gets its BOS from the template instead)
     decode       strip "##", "▁" -> " ", concatenate
 
 Vocabulary (ids in this order): ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3; the
@@ -22,10 +26,11 @@ import string
 from collections import Counter
 
 import tokenizers
-from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from xronos.config import PRESETS
 from xronos.data import smarthome
-from xronos.data.tokenizer import Tokenizer
+from xronos.data.tokenizer import Tokenizer, load_tokenizer
 
 VOCAB_SIZE = 512
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -64,6 +69,10 @@ def _pipeline(vocab: dict[str, int]) -> tokenizers.Tokenizer:
         [decoders.Replace(Regex("^##"), ""), decoders.Replace(SPACE, " "), decoders.Fuse()]
     )
     tok.add_special_tokens(list(SPECIALS))
+    bos = ("<bos>", vocab["<bos>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B:1", special_tokens=[bos]
+    )
     return tok
 
 
@@ -95,3 +104,8 @@ def builtin_tokenizer() -> Tokenizer:
         chat_template=CHAT_TEMPLATE,
         name="built-in tokenizer",
     )
+
+
+def resolve_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer for ``--model``: the built-in one for a preset, else the directory's."""
+    return builtin_tokenizer() if model in PRESETS else load_tokenizer(model)

@@ -10,9 +10,20 @@ BOS, padding). The model shifts: logits at ``t`` are scored against ``labels[t +
     input_ids   1     c     :   t     o   \\n   a    :     t     ( ... )    2     0     0
     labels    -100  -100  -100 -100 -100 -100 -100 -100    t     ( ... )    2   -100  -100
 
+**Special tokens** are those the model's tokenizer adds, as transformers adds them:
+``tokenizer(text)`` runs the tokenizer's post-processor (a BOS for Llama-style
+tokenizers, nothing for ChatML ones such as SmolLM2's or Qwen's, whatever
+``tokenizer_config.json`` names as ``bos_token``), and chat text is tokenised as
+``apply_chat_template`` tokenises it: with no post-processor tokens, the template places
+its own. A text that already begins with the post-processor's leading tokens (a prompt
+formatted by a chat template that writes its BOS) does not get them twice. Training
+appends EOS to non-chat examples so that the model learns to stop.
+
 A token is trainable when any of its characters lies in a trainable segment of the
 example (the whole text is tokenised once, then each token is labelled from its
-character offsets, so prompt and completion tokenise exactly as the full text does).
+character offsets, so prompt and completion tokenise exactly as the full text does, and
+the prompt's tokens are those :func:`encode_prompt` gives wherever the completion does
+not merge with the prompt's last token).
 """
 
 from __future__ import annotations
@@ -20,13 +31,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 import torch
 
 from xronos.data.formats import Example
-from xronos.data.tokenizer import Tokenizer
+from xronos.data.tokenizer import Encoding, Tokenizer
 from xronos.errors import UserError
 
 IGNORE_INDEX = -100
@@ -93,32 +104,47 @@ class TokenizedDataset:
         return line + (f"; {', '.join(extras)}" if extras else "")
 
 
-def _labelled(
-    example: Example, ids: list[int], offsets: list[tuple[int, int]]
-) -> tuple[list[int], list[int]]:
-    """Labels for ``ids``: the id where the token overlaps a trainable segment."""
+def _special(enc: Encoding, add_special_tokens: bool) -> Encoding:
+    """``enc`` (encoded with the post-processor) as it is fed to the model: with the
+    post-processor's tokens when ``add_special_tokens``, except leading ones that the text
+    itself already begins with (they are not doubled)."""
+    if not add_special_tokens:
+        return enc.text_only()
+    n = enc.lead()
+    if n and enc.ids[n : 2 * n] == enc.ids[:n] and not any(enc.added[n : 2 * n]):
+        return Encoding(enc.ids[n:], enc.offsets[n:], enc.added[n:])
+    return enc
+
+
+def _labelled(example: Example, enc: Encoding) -> tuple[list[int], list[int]]:
+    """Labels for ``enc``: the id where a token of the text overlaps a trainable segment;
+    tokens the post-processor added before the text are masked, those after it are
+    trained on when the example ends in a trainable segment."""
     mask = np.zeros(len(example.text) + 1, dtype=bool)
     pos = 0
     for text, trainable in example.segments:
         mask[pos : pos + len(text)] = trainable
         pos += len(text)
-    labels = []
-    for token, (start, end) in zip(ids, offsets, strict=True):
-        hit = bool(mask[start:end].any()) if end > start else bool(mask[start])
+    ends_trainable = example.segments[-1][1]
+    labels, seen_text = [], False
+    for token, (start, end), added in zip(enc.ids, enc.offsets, enc.added, strict=True):
+        if added:
+            hit = seen_text and ends_trainable
+        else:
+            hit = bool(mask[start:end].any()) if end > start else bool(mask[start])
+            seen_text = True
         labels.append(token if hit else IGNORE_INDEX)
-    return ids, labels
+    return list(enc.ids), labels
 
 
 def _encode(
-    examples: Sequence[Example], tokenizer: Tokenizer, add_bos: bool, add_eos: bool
+    examples: Sequence[Example], tokenizer: Tokenizer, add_special_tokens: bool, add_eos: bool
 ) -> Iterator[tuple[list[int], list[int]]]:
-    encoded = tokenizer.encode_batch_with_offsets([ex.text for ex in examples])
-    bos, eos = tokenizer.bos_id, tokenizer.eos_id
-    for ex, (raw_ids, offsets) in zip(examples, encoded, strict=True):
-        ids, labels = _labelled(ex, raw_ids, offsets)
-        if add_bos and bos is not None and not ex.chat and ids[:1] != [bos]:
-            ids, labels = [bos, *ids], [IGNORE_INDEX, *labels]
-        if add_eos and eos is not None and not ex.chat:
+    encoded = tokenizer.encode_batch([ex.text for ex in examples], add_special_tokens=True)
+    eos = tokenizer.eos_id
+    for ex, enc in zip(examples, encoded, strict=True):
+        ids, labels = _labelled(ex, _special(enc, add_special_tokens and not ex.chat))
+        if add_eos and eos is not None and not ex.chat and ids[-1:] != [eos]:
             ids, labels = [*ids, eos], [*labels, eos if ex.segments[-1][1] else IGNORE_INDEX]
         yield ids, labels
 
@@ -128,16 +154,17 @@ def tokenize(
     tokenizer: Tokenizer,
     seq_len: int,
     truncation: Truncation = "truncate",
-    add_bos: bool = True,
+    add_special_tokens: bool = True,
     add_eos: bool = True,
 ) -> TokenizedDataset:
     """Tokenise examples into unshifted ``(input_ids, labels)`` of at most ``seq_len``.
 
-    BOS is prepended and EOS appended (trainable when the example ends in a trainable
-    segment) unless the tokenizer lacks them or the example is a rendered chat, whose
-    template places its own. Longer examples are cut to ``seq_len`` (``"truncate"``),
-    left out (``"drop"``) or refused (``"error"``); examples with no trainable token left
-    are left out. Raises UserError when nothing is left.
+    The tokenizer's post-processor adds its special tokens (``add_special_tokens``), and
+    EOS is appended (trainable when the example ends in a trainable segment) unless the
+    tokenizer lacks one or already put it there; rendered chats get neither, as their
+    template places its own (see the module's notes). Longer examples are cut to
+    ``seq_len`` (``"truncate"``), left out (``"drop"``) or refused (``"error"``); examples
+    with no trainable token left are left out. Raises UserError when nothing is left.
     """
     if truncation not in TRUNCATION_MODES:
         raise UserError(f"--truncation {truncation!r}: use one of {', '.join(TRUNCATION_MODES)}")
@@ -145,7 +172,7 @@ def tokenize(
         raise UserError(f"--seq-len {seq_len} is too short; use at least 2")
     out = TokenizedDataset([], [], seq_len, num_examples=len(examples))
     for ex, (ids, labels) in zip(
-        examples, _encode(examples, tokenizer, add_bos, add_eos), strict=True
+        examples, _encode(examples, tokenizer, add_special_tokens, add_eos), strict=True
     ):
         if len(ids) > seq_len:
             if truncation == "error":
@@ -185,11 +212,23 @@ def _check_not_empty(out: TokenizedDataset) -> None:
     )
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str, add_bos: bool = True) -> list[int]:
-    """Ids of a prompt for generation, as :func:`tokenize` would start the sequence."""
-    ids = tokenizer.encode(prompt)
-    bos = tokenizer.bos_id
-    return [bos, *ids] if add_bos and bos is not None and ids[:1] != [bos] else ids
+def encode_prompt(tokenizer: Tokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    """Ids of a prompt for generation, as transformers' ``tokenizer(prompt)`` gives them
+    and as :func:`tokenize` starts a sequence: with the post-processor's special tokens,
+    which a prompt already formatted by a chat template does not get twice (so it
+    tokenises as :func:`encode_chat` of its messages)."""
+    (enc,) = tokenizer.encode_batch([prompt], add_special_tokens=True)
+    return list(_special(enc, add_special_tokens).ids)
+
+
+def encode_chat(
+    tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+) -> list[int]:
+    """Ids of a conversation rendered with the model's chat template, as transformers'
+    ``apply_chat_template(messages, add_generation_prompt, tokenize=True)`` gives them
+    (the template places the special tokens: the post-processor adds none)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 # -- train/eval split -------------------------------------------------------------------------

@@ -23,13 +23,23 @@ import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from xronos.errors import UserError
 from xronos.utils import atomic_write_text
 
-if TYPE_CHECKING:
-    from xronos.data.tokenizer import Tokenizer
+
+class ChatRenderer(Protocol):
+    """What chat data needs of a tokenizer: its chat template, and rendering with it
+    (:class:`xronos.data.tokenizer.Tokenizer` is one)."""
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False
+    ) -> str: ...
+
 
 #: The Alpaca prompt (as popularised by alpaca-lora), with and without an ``input``.
 ALPACA_PROMPT_INPUT = (
@@ -70,7 +80,8 @@ class Example:
     """Where it came from (``file:line``), for error messages."""
     chat: bool = False
     """Rendered by a chat template, which already places BOS and end-of-turn tokens:
-    tokenisation adds no BOS/EOS of its own."""
+    tokenised as transformers' ``apply_chat_template`` does it, with no special tokens of
+    the tokenizer's post-processor and no EOS of its own."""
 
     @classmethod
     def from_prompt(cls, prompt: str, completion: str, source: str = "") -> Example:
@@ -121,7 +132,7 @@ def _string(record: dict[str, Any], key: str, where: str, *, allow_empty: bool =
 
 
 def record_to_example(
-    record: dict[str, Any], fmt: str, where: str, tokenizer: Tokenizer | None = None
+    record: dict[str, Any], fmt: str, where: str, tokenizer: ChatRenderer | None = None
 ) -> Example:
     """Convert one record of a known format; ``where`` (``file:line``) goes into errors."""
     missing = [k for k in REQUIRED_FIELDS[fmt] if k not in record]
@@ -145,7 +156,7 @@ def record_to_example(
     return chat_example(record["messages"], where, tokenizer)
 
 
-def chat_example(messages: Any, where: str, tokenizer: Tokenizer | None) -> Example:
+def chat_example(messages: Any, where: str, tokenizer: ChatRenderer | None) -> Example:
     """Render a conversation with the tokenizer's chat template; assistant turns (their
     content and the template's end-of-turn text) are trainable, everything else is not.
 
@@ -252,7 +263,7 @@ def _json_records(path: Path, text: str) -> Iterator[tuple[str, Any]]:
         yield f"{path}:{lineno}", record
 
 
-def load_jsonl(path: Path, tokenizer: Tokenizer | None = None) -> list[Example]:
+def load_jsonl(path: Path, tokenizer: ChatRenderer | None = None) -> list[Example]:
     """Examples of a JSONL (or ``.json`` array) file, in one format detected from its
     first record."""
     fmt: str | None = None
@@ -309,7 +320,7 @@ def _files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
 
 
 def load_examples(
-    paths: str | Path | Sequence[str | Path], tokenizer: Tokenizer | None = None
+    paths: str | Path | Sequence[str | Path], tokenizer: ChatRenderer | None = None
 ) -> list[Example]:
     """Read every example of the given files (or directories of them), in order.
 

@@ -215,46 +215,15 @@ PREFIXES = (
 #: Prefixes for commands that do not open with a verb ("{room} {device} on", "at 7 pm, ...").
 PLAIN_PREFIXES = ("", "", "", "hey, ", "please, ")
 SUFFIXES = ("", "", "", " please", " thanks", " now", " for me", " thank you")
-VERBS = frozenset(
-    (
-        "turn",
-        "switch",
-        "power",
-        "put",
-        "shut",
-        "kill",
-        "dim",
-        "set",
-        "make",
-        "heat",
-        "change",
-        "open",
-        "close",
-        "lock",
-        "unlock",
-        "secure",
-        "unbolt",
-        "let",
-    )
+VERBS: frozenset[str] = frozenset().union(
+    ("turn", "switch", "power", "put", "shut", "kill"),  # on and off
+    ("dim", "set", "make", "heat", "change"),  # values
+    ("open", "close", "lock", "unlock", "secure", "unbolt", "let"),  # openings and locks
 )
 #: Filler words that may get a typo: none of them decides the action.
-TYPO_WORDS = frozenset(
-    (
-        "please",
-        "could",
-        "would",
-        "kindly",
-        "thanks",
-        "thank",
-        "turn",
-        "switch",
-        "power",
-        "want",
-        "make",
-        "sure",
-        "the",
-        "you",
-    )
+TYPO_WORDS: frozenset[str] = frozenset().union(
+    ("please", "could", "would", "kindly", "thanks", "thank"),  # politeness
+    ("turn", "switch", "power", "want", "make", "sure", "the", "you"),  # verbs and fillers
 )
 TYPO_RATE = 0.15
 

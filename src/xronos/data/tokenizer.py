@@ -1,5 +1,11 @@
-"""Tokenizers: a Hugging Face ``tokenizer.json`` (with its special tokens and chat template)
-or the built-in tokenizer of the model presets.
+"""Tokenizers: a Hugging Face ``tokenizer.json`` with its special tokens and chat template.
+
+Special tokens are added as transformers' fast tokenizers add them: by the tokenizer's own
+post-processor (``encode(text, add_special_tokens=True)``), never from the ``bos_token`` of
+``tokenizer_config.json`` alone. SmolLM2 names ``<|im_start|>`` as its BOS yet adds none;
+Llama 3's post-processor adds ``<|begin_of_text|>``. As in transformers 5, the
+``add_bos_token``/``add_eos_token`` entries of ``tokenizer_config.json`` do not change
+what a ``tokenizer.json`` adds.
 
 Chat templates are rendered as transformers renders them: Jinja2 in a sandboxed
 environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``,
@@ -13,6 +19,7 @@ import datetime
 import functools
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -26,6 +33,28 @@ from xronos.errors import UserError
 from xronos.utils import atomic_write_text
 
 SPECIAL_KEYS = ("bos", "eos", "pad", "unk")
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """The tokens of one text, with where each came from."""
+
+    ids: list[int]
+    offsets: list[tuple[int, int]]
+    """``(start, end)`` character offsets in the text; ``(0, 0)`` for added tokens."""
+    added: list[bool]
+    """True for a token the post-processor added (a BOS, ...), False for one of the text."""
+
+    def text_only(self) -> Encoding:
+        """Without the post-processor's tokens (as ``add_special_tokens=False`` encodes)."""
+        keep = [i for i, a in enumerate(self.added) if not a]
+        return Encoding(
+            [self.ids[i] for i in keep], [self.offsets[i] for i in keep], [False] * len(keep)
+        )
+
+    def lead(self) -> int:
+        """How many tokens the post-processor put before the text."""
+        return next((i for i, a in enumerate(self.added) if not a), len(self.added))
 
 
 class Tokenizer:
@@ -69,6 +98,8 @@ class Tokenizer:
 
     @property
     def bos_id(self) -> int | None:
+        """The BOS the model's files name; only the post-processor decides whether
+        encoding adds it (SmolLM2 names one and adds none)."""
         return self._ids["bos"]
 
     @property
@@ -95,12 +126,16 @@ class Tokenizer:
         ``add_special_tokens`` runs the tokenizer's own post-processor (e.g. a BOS)."""
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def encode_batch_with_offsets(
-        self, texts: Sequence[str]
-    ) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        """For each text: its ids and each token's ``(start, end)`` character offsets."""
-        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
-        return [(list(e.ids), list(e.offsets)) for e in encodings]
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> list[Encoding]:
+        """For each text: its ids, their character offsets and which ones the
+        post-processor added (only with ``add_special_tokens``)."""
+        out = []
+        for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens):
+            added = [s is None for s in e.sequence_ids]
+            out.append(Encoding(list(e.ids), list(e.offsets), added))
+        return out
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -254,11 +289,3 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has "
             f"{model_vocab_size} rows; use the tokenizer that came with the model"
         )
-
-
-def resolve_tokenizer(model: str) -> Tokenizer:
-    """The tokenizer for ``--model``: the built-in one for a preset, else the directory's."""
-    from xronos.config import PRESETS
-    from xronos.data.builtin_tokenizer import builtin_tokenizer
-
-    return builtin_tokenizer() if model in PRESETS else load_tokenizer(model)

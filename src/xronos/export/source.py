@@ -55,5 +55,5 @@ def restore_full_model(
     dtype = getattr(torch, (meta.get("base") or {}).get("dtype", "float32"))
     plan, group = Plan.single(cfg), TPGroup()
     model = build_model(cfg, plan, group, model_dir=model_dir, seed=seed, lora=lora, dtype=dtype)
-    load_checkpoint(ckpt_dir, model=model, trainer=None, cfg=cfg, plan=plan, group=group)
+    load_checkpoint(ckpt_dir, model=model, optimizer=None, cfg=cfg, plan=plan, group=group)
     return model.eval(), cfg, meta

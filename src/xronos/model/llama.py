@@ -150,16 +150,31 @@ class LlamaForCausalLM(nn.Module):
         # Replaced by a vocab-parallel head when sharded; see xronos.parallel.vocab.
         self.head: Head = LMHead(self.lm_head)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (B, S, H) of ``input_ids`` (B, S): the residual stream's start."""
+        return self.model.embed_tokens(input_ids)  # type: ignore[no-any-return]
+
+    def decode(
+        self,
+        x: torch.Tensor,  # (B, S, H)
+        layers: range | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Run decoder ``layers`` (default: all) on the residual stream ``x`` (B, S, H); a
+        pipeline stage runs its own range."""
+        pos0 = cache.length if cache is not None else 0
+        cos_sin = self.rotary(pos0, x.shape[1], x.dtype)
+        for i in layers if layers is not None else range(len(self.model.layers)):
+            x = self.model.layers[i](x, cos_sin, cache)
+        return x
+
     def hidden_states(
         self,
         input_ids: torch.Tensor,  # (B, S)
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        pos0 = cache.length if cache is not None else 0
-        x = self.model.embed_tokens(input_ids)  # (B, S, H)
-        cos_sin = self.rotary(pos0, input_ids.shape[1], x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos_sin, cache)
+        """Final-normed hidden states (B, S, H)."""
+        x = self.decode(self.embed(input_ids), cache=cache)
         if cache is not None:
             cache.length += input_ids.shape[1]
         return self.model.norm(x)  # type: ignore[no-any-return]
@@ -168,10 +183,14 @@ class LlamaForCausalLM(nn.Module):
         """Logits (B, S, V_local): the full vocabulary on one device, a slice when sharded."""
         return self.head.logits(self.hidden_states(input_ids))
 
+    def head_loss_sum(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Final norm, LM head and summed next-token cross-entropy of the residual stream
+        ``x`` (B, S, H) against unshifted ``labels`` (B, S) (-100 = ignore)."""
+        return self.head.loss_sum(self.model.norm(x)[:, :-1], labels[:, 1:])
+
     def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed next-token cross-entropy over labels != -100 (labels are unshifted)."""
-        h = self.hidden_states(input_ids)[:, :-1]
-        return self.head.loss_sum(h, labels[:, 1:])
+        return self.head_loss_sum(self.decode(self.embed(input_ids)), labels)
 
 
 class LMHead(nn.Module):

@@ -1,14 +1,16 @@
 """Build a model that holds only this rank's slices, and wire its communication seams.
 
-The flow (DESIGN §2): ``Plan -> build_model(cfg, plan, group, source) -> engine``.
+The flow (DESIGN §2): ``Plan -> build_model(cfg, plan, group, source) -> session``, in
+three steps, as torchtitan builds and then parallelises:
 
-1. The full single-device model is constructed on the ``meta`` device (no memory).
-2. Every parameter is materialised at its *local* shape, its values taken from the
+1. :func:`build_meta`: the full single-device model on the ``meta`` device (no memory).
+2. :func:`materialise`: every parameter at its *local* shape, its values taken from the
    source: a seeded preset (every rank draws the same master tensor and keeps its slice,
    so 1 rank and N ranks start bit-identical) or a safetensors checkpoint (each rank
    reads only its slices).
-3. The ``enter``/``exit`` seams of every block become ``copy_to_tp``/``reduce_from_tp``,
-   and the LM head (and, if tied, the embedding) becomes vocab-parallel.
+3. :func:`apply_tp`: the ``enter``/``exit`` seams of every block become
+   ``copy_to_tp``/``reduce_from_tp``, and the LM head (and, if tied, the embedding)
+   becomes vocab-parallel; or :func:`apply_pp_stage` for a pipeline stage.
 
 A pipeline stage (``layers=(a, b)``, ``embed=``, ``head=``) materialises only its decoder
 layers ``[a, b)`` and, if asked, the embedding and/or the final norm + LM head; the parts
@@ -20,8 +22,7 @@ embedding matrix (its LM head weight).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -37,22 +38,7 @@ from xronos.model.rope import RotaryEmbedding
 from xronos.model.safetensors_io import SafetensorsReader
 from xronos.parallel.spec import ShardSpec, shard_spec
 from xronos.parallel.vocab import VocabParallelEmbedding, VocabParallelHead
-from xronos.planner.plan import Plan
-
-
-@contextlib.contextmanager
-def _skip_init() -> Iterator[None]:
-    """Construct modules without running ``nn.init`` (their values are set afterwards;
-    initialising meta tensors is wasted work that also costs a slow first call)."""
-    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "trunc_normal_")
-    saved = {n: getattr(nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(nn.init, n, lambda t, *a, **k: t)
-        yield
-    finally:
-        for n, fn in saved.items():
-            setattr(nn.init, n, fn)
+from xronos.planner.plan import Plan, segment_kind
 
 
 def _preset_tensor(name: str, shape: torch.Size, gen: torch.Generator, std: float) -> torch.Tensor:
@@ -110,6 +96,89 @@ def _drop_absent(
         model.head = Absent()  # type: ignore[assignment]
 
 
+def build_meta(cfg: ModelConfig, lora: LoRAConfig | None = None, seed: int = 0) -> LlamaForCausalLM:
+    """The whole single-device model on the ``meta`` device: every parameter at its full
+    shape, no memory, no values (LoRA adapters added when ``lora`` is given)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model.rotary = RotaryEmbedding(cfg)  # a buffer computed from the config, not loaded
+    if lora is not None:
+        add_lora(model, lora, seed=seed)
+    return model
+
+
+def materialise(
+    model: LlamaForCausalLM,
+    cfg: ModelConfig,
+    plan: Plan,
+    rank: int,
+    *,
+    model_dir: str | Path | None = None,
+    seed: int = 0,
+    trainable_base: bool = True,
+    dtype: torch.dtype = torch.float32,
+    init_std: float = 0.02,
+    keep: Callable[[str], bool] = lambda name: True,
+) -> None:
+    """Give every parameter that ``keep`` names its values at the slice ``plan`` gives
+    ``rank``: a checkpoint's slice (each rank reads only its own), or the slice of a seeded
+    master tensor (every rank draws the same stream, so 1 and N ranks start bit-identical).
+    LoRA A is drawn from its own stream, B starts at zero. Parameters not kept stay on
+    ``meta``; the preset streams still advance past them."""
+    base_gen = torch.Generator().manual_seed(seed)
+    lora_gen = torch.Generator().manual_seed(seed + 1)
+    reader = SafetensorsReader(model_dir) if model_dir is not None else None
+    try:
+        for name, p in list(model.named_parameters()):
+            spec = shard_spec(name, cfg, plan, rank)
+            if ".lora_" in name:
+                full = torch.zeros(p.shape)
+                if ".lora_A." in name:
+                    lora_init(full, lora_gen)  # drawn even when not kept: same stream
+                if keep(name):
+                    _set_param(model, name, _take(full, spec), trainable=True)
+            elif not keep(name):
+                if reader is None:  # advance the preset stream past this tensor
+                    _preset_tensor(name, p.shape, base_gen, init_std)
+            elif reader is not None:
+                t = _read(reader, name, spec)
+                want = list(_take(torch.empty(p.shape, device="meta"), spec).shape)
+                if list(t.shape) != want:
+                    raise UserError(
+                        f"{model_dir}: tensor {name!r} has shape {list(t.shape)} where "
+                        f"config.json implies {want}; the checkpoint and config.json disagree"
+                    )
+                _set_param(model, name, t.to(dtype), trainable=trainable_base)
+            else:
+                t = _take(_preset_tensor(name, p.shape, base_gen, init_std), spec)
+                _set_param(model, name, t.to(dtype), trainable=trainable_base)
+    finally:
+        if reader is not None:
+            reader.close()
+
+
+def apply_pp_stage(
+    model: LlamaForCausalLM, cfg: ModelConfig, layers: tuple[int, int], embed: bool, head: bool
+) -> None:
+    """Make ``model`` a pipeline stage: the parts other stages hold become :class:`Absent`;
+    a head stage of a tied model keeps the embedding matrix as its LM head weight."""
+    _drop_absent(model, cfg, layers, embed, head)
+
+
+def apply_tp(model: LlamaForCausalLM, cfg: ModelConfig, plan: Plan, group: TPGroup) -> None:
+    """Make a materialised shard tensor-parallel over ``group``: LoRA layers learn which
+    input columns they hold, and with more than one rank the seams become Megatron's
+    conjugate pairs and the LM head (and a tied embedding) vocab-parallel."""
+    if cfg.tie_word_embeddings and not isinstance(model.lm_head, Absent):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            spec = shard_spec(name + ".weight", cfg, plan, group.rank)
+            m.in_range = (spec.start, spec.end) if spec and spec.dim == 1 else (0, m.full_in)
+    if group.size > 1:
+        wire_seams(model, cfg, plan, group)
+
+
 def build_model(
     cfg: ModelConfig,
     plan: Plan,
@@ -124,7 +193,8 @@ def build_model(
     embed: bool = True,
     head: bool = True,
 ) -> LlamaForCausalLM:
-    """This rank's shard of the model, ready to train or generate.
+    """This rank's shard of the model, ready to train or generate:
+    :func:`build_meta` → :func:`materialise` → :func:`apply_tp` or :func:`apply_pp_stage`.
 
     Args:
         cfg: model shape.
@@ -146,52 +216,22 @@ def build_model(
     if stage and group.size > 1:
         raise ValueError("a pipeline stage is built on one device (a TP group of size 1)")
     held = layers if layers is not None else (0, cfg.num_layers)
-    with torch.device("meta"), _skip_init():
-        model = LlamaForCausalLM(cfg)
-    model.rotary = RotaryEmbedding(cfg)  # a buffer computed from the config, not loaded
-    if lora is not None:
-        add_lora(model, lora, seed=seed)
-    base_gen = torch.Generator().manual_seed(seed)
-    lora_gen = torch.Generator().manual_seed(seed + 1)
-    reader = SafetensorsReader(model_dir) if model_dir is not None else None
-    try:
-        for name, p in list(model.named_parameters()):
-            spec = shard_spec(name, cfg, plan, group.rank)
-            keep = not stage or stage_holds(name, cfg, held, embed, head)
-            if ".lora_" in name:
-                full = torch.zeros(p.shape)
-                if ".lora_A." in name:
-                    lora_init(full, lora_gen)  # drawn even when not kept: same stream
-                if keep:
-                    _set_param(model, name, _take(full, spec), trainable=True)
-            elif not keep:
-                if reader is None:  # advance the preset stream past this tensor
-                    _preset_tensor(name, p.shape, base_gen, init_std)
-            elif reader is not None:
-                t = _read(reader, name, spec)
-                want = list(_take(torch.empty(p.shape, device="meta"), spec).shape)
-                if list(t.shape) != want:
-                    raise UserError(
-                        f"{model_dir}: tensor {name!r} has shape {list(t.shape)} where "
-                        f"config.json implies {want}; the checkpoint and config.json disagree"
-                    )
-                _set_param(model, name, t.to(dtype), trainable=lora is None)
-            else:
-                t = _take(_preset_tensor(name, p.shape, base_gen, init_std), spec)
-                _set_param(model, name, t.to(dtype), trainable=lora is None)
-    finally:
-        if reader is not None:
-            reader.close()
+    model = build_meta(cfg, lora, seed)
+    materialise(
+        model,
+        cfg,
+        plan,
+        group.rank,
+        model_dir=model_dir,
+        seed=seed,
+        trainable_base=lora is None,
+        dtype=dtype,
+        init_std=init_std,
+        keep=lambda name: not stage or stage_holds(name, cfg, held, embed, head),
+    )
     if stage:
-        _drop_absent(model, cfg, held, embed, head)
-    if cfg.tie_word_embeddings and head:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    for name, m in model.named_modules():
-        if isinstance(m, LoRALinear):
-            spec = shard_spec(name + ".weight", cfg, plan, group.rank)
-            m.in_range = (spec.start, spec.end) if spec and spec.dim == 1 else (0, m.full_in)
-    if group.size > 1:
-        wire_seams(model, cfg, plan, group)
+        apply_pp_stage(model, cfg, held, embed, head)
+    apply_tp(model, cfg, plan, group)
     return model
 
 
@@ -205,10 +245,11 @@ def _read(reader: SafetensorsReader, name: str, spec: ShardSpec | None) -> torch
 def wire_seams(model: LlamaForCausalLM, cfg: ModelConfig, plan: Plan, group: TPGroup) -> None:
     """Install the collectives: two conjugate pairs per block, a vocab-parallel head."""
     for i, layer in enumerate(cast("list[Block]", model.model.layers)):
-        layer.self_attn.enter = CopyToTP(group, f"L{i}.attn.in")
-        layer.self_attn.exit = ReduceFromTP(group, f"L{i}.attn.out")
-        layer.mlp.enter = CopyToTP(group, f"L{i}.mlp.in")
-        layer.mlp.exit = ReduceFromTP(group, f"L{i}.mlp.out")
+        attn, mlp = segment_kind("attn", i), segment_kind("mlp", i)
+        layer.self_attn.enter = CopyToTP(group, f"L{i}.attn.in", attn)
+        layer.self_attn.exit = ReduceFromTP(group, f"L{i}.attn.out", attn)
+        layer.mlp.enter = CopyToTP(group, f"L{i}.mlp.in", mlp)
+        layer.mlp.exit = ReduceFromTP(group, f"L{i}.mlp.out", mlp)
     v0, _ = plan.bounds("vocab", group.rank, cfg.vocab_size)
     model.head = VocabParallelHead(model.lm_head, v0, cfg.vocab_size, group)
     if cfg.tie_word_embeddings:

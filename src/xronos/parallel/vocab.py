@@ -22,6 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from xronos.comm.mappings import TPGroup, copy_to_tp, reduce_from_tp
+from xronos.planner.plan import segment_kind
+
+VOCAB = segment_kind("vocab")  # the segment these collectives close (calibration)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -42,7 +45,7 @@ class _VocabParallelCE(torch.autograd.Function):
             lse_r = logits.new_full((n,), float("-inf"))
             t_r = logits.new_zeros(n)
         stats = torch.stack([lse_r, t_r])  # (2, N)
-        gathered = torch.stack(group.all_gather(stats, "vocab.ce"))  # (R, 2, N)
+        gathered = torch.stack(group.all_gather(stats, "vocab.ce", VOCAB))  # (R, 2, N)
         lse = torch.logsumexp(gathered[:, 0], dim=0)  # (N,)
         target_logit = gathered[:, 1].sum(0)
         loss = ((lse - target_logit) * valid).sum()
@@ -75,7 +78,7 @@ class VocabParallelHead(nn.Module):
         self.v0, self.vocab_size, self.group = v0, vocab_size, group
 
     def local_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(copy_to_tp(h, self.group, "head"))  # type: ignore[no-any-return]
+        return self.lm_head(copy_to_tp(h, self.group, "head", VOCAB))  # type: ignore[no-any-return]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Full logits (B, S, V), gathered: for inference and tests, never in training."""
@@ -126,4 +129,4 @@ class VocabParallelEmbedding(nn.Module):
             x = F.embedding(torch.where(owned, local, 0), self.weight) * owned.unsqueeze(-1)
         else:
             x = self.weight.new_zeros(*ids.shape, self.weight.shape[1]) + 0 * self.weight.sum()
-        return reduce_from_tp(x, self.group, "embed")
+        return reduce_from_tp(x, self.group, "embed", VOCAB)

@@ -32,6 +32,24 @@ from xronos.errors import UserError
 SEGMENTS = ("attn", "mlp", "vocab")
 
 
+def segment_kind(segment: str, layer: int | None = None) -> str:
+    """The tag a collective that closes ``segment`` (of decoder ``layer``) carries in its
+    recorded span's ``kind``: how measurements are attributed back to the plan's segments
+    (see :func:`parse_segment_kind`)."""
+    if segment not in SEGMENTS:
+        raise ValueError(f"unknown segment {segment!r}; one of {SEGMENTS}")
+    return segment if layer is None else f"{segment}@{layer}"
+
+
+def parse_segment_kind(kind: str) -> tuple[str, int | None] | None:
+    """``(segment, layer or None)`` of a tag made by :func:`segment_kind`; None for a span
+    that closes no segment (gradient norm, checkpoint, ...)."""
+    segment, _, layer = kind.partition("@")
+    if segment not in SEGMENTS:
+        return None
+    return segment, int(layer) if layer else None
+
+
 def default_mlp_chunk(intermediate_size: int) -> int:
     """Largest SIMD-friendly chunk (64 .. 8) that divides the MLP width into at least 64
     units (fine enough to balance within ~2 %), else 8."""

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
-from xronos.profiler.measure import Shape, base_bytes, measure_segments, unit_bytes
 from xronos.planner.profile import DeviceProfile
+from xronos.profiler.measure import Shape, base_bytes, measure_segments, unit_bytes
 
 
 def cache_dir() -> Path:

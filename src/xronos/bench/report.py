@@ -7,9 +7,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from xronos.bench.scenarios import Scenario
+from xronos.bench.worker import BenchOutput, StrategyLog
+from xronos.config import ModelConfig
 from xronos.emulation import ClusterSpec
-from xronos.engine.bench import PP_STRATEGIES, StrategyLog
-from xronos.engine.scenarios import Scenario
 from xronos.metrics import (
     analyze_pipeline_step,
     analyze_step,
@@ -21,6 +22,7 @@ from xronos.metrics import (
 )
 from xronos.planner.plan import SEGMENTS, Plan
 from xronos.planner.profile import DeviceProfile
+from xronos.train.session import Strategy
 from xronos.utils import atomic_write_text
 
 
@@ -37,8 +39,8 @@ def solo_times(
     return predicted
 
 
-def strategy_entry(name: str, log: StrategyLog, scenario: Scenario, tokens: int) -> dict[str, Any]:
-    analyze = analyze_pipeline_step if name in PP_STRATEGIES else analyze_step
+def strategy_entry(name: Strategy, log: StrategyLog, scenario: Scenario) -> dict[str, Any]:
+    analyze = analyze_pipeline_step if name.is_pipeline else analyze_step
     steps = [analyze(recs) for recs in log.records]
     run = summarize(steps, skip_warmup=scenario.warmup)
     try:
@@ -48,7 +50,7 @@ def strategy_entry(name: str, log: StrategyLog, scenario: Scenario, tokens: int)
     counted = log.losses[scenario.warmup :]
     return {
         **run.to_dict(),
-        "tokens_per_s": tokens / run.step_time_s,
+        "tokens_per_s": log.tokens / run.step_time_s,
         "stall_ratio": stall,
         "final_loss": counted[-1] if counted else float("nan"),
         "losses": log.losses,
@@ -56,15 +58,14 @@ def strategy_entry(name: str, log: StrategyLog, scenario: Scenario, tokens: int)
 
 
 def build_report(
-    out: dict[str, Any],
+    out: BenchOutput,
     scenario: Scenario,
     cluster: ClusterSpec,
-    strategies: tuple[str, ...],
-    extra: dict[str, Any],
+    cfg: ModelConfig,
+    fastest: int,
+    meta: dict[str, Any],
 ) -> dict[str, Any]:
-    profiles = [DeviceProfile.from_dict(d) for d in out["profiles"]]
-    plan = Plan.from_dict(out["plan"])
-    tokens = scenario.batch_size * scenario.seq_len
+    """``bench.json`` (DESIGN §7) from rank 0's logs."""
     result: dict[str, Any] = {
         "scenario": scenario.name,
         "model": scenario.model,
@@ -72,45 +73,31 @@ def build_report(
         "ideal_step_time_s": 0.0,
         "strategies": {},
     }
-    for name in strategies:
-        entry = strategy_entry(name, out["logs"][name], scenario, tokens)
-        entry["peak_rss_mb"] = out["peak_rss_mb"]
-        entry["plan"] = _plan_of(name, plan, out, cluster)
-        result["strategies"][name] = entry
+    for name, log in out.logs.items():
+        entry = strategy_entry(name, log, scenario)
+        entry["peak_rss_mb"] = out.peak_rss_mb
+        entry["plan"] = log.plan
+        result["strategies"][name.value] = entry
     single = result["strategies"].get("single", {}).get("step_time_s")
-    solo = solo_times(profiles, Plan.single(profiles_cfg(extra)), single, out["fastest"])
+    solo = solo_times(out.calibrated, Plan.single(cfg), single, fastest)
     xr = result["strategies"].get("xronos")
     transfer = max(d["transfer_s"] for d in xr["per_device"]) if xr else 0.0
     ideal = ideal_step_time(solo, transfer)
     result["ideal_step_time_s"] = ideal
     for entry in result["strategies"].values():
         entry["efficiency"] = efficiency(ideal, entry["step_time_s"])
-    result.update(extra.get("meta", {}))
+    result.update(meta)
     return result
 
 
-def profiles_cfg(extra: dict[str, Any]) -> Any:
-    return extra["cfg"]
-
-
-def _plan_of(name: str, plan: Plan, out: dict[str, Any], cluster: ClusterSpec) -> dict[str, Any]:
-    if name == "xronos":
-        return plan.to_dict()
-    if name == "single":
-        return {"strategy": "single", "device": cluster.devices[out["fastest"]].name}
-    if name == "tp-even":
-        return {"strategy": "tp-even"}
-    return out.get("pp_plans", {}).get(name, {"strategy": name})
-
-
-def write_outputs(result: dict[str, Any], out_dir: Path, out: dict[str, Any]) -> None:
+def write_outputs(result: dict[str, Any], out_dir: Path, out: BenchOutput) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     clean = json.loads(json.dumps(result, default=float), parse_constant=lambda _: None)
     atomic_write_text(out_dir / "bench.json", json.dumps(_finite(clean), indent=2))
     from xronos.metrics import plot_bench
 
     plot_bench(out_dir / "bench.png", result)
-    xr = out["logs"].get("xronos")
+    xr = out.logs.get(Strategy.XRONOS)
     if xr is not None and xr.records:
         write_trace(out_dir / "trace.json", xr.records[-3:])
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -29,42 +28,8 @@ from xronos.config import ModelConfig
 from xronos.model.llama import LlamaForCausalLM
 from xronos.parallel.spec import partial_grad, shard_spec
 from xronos.planner.plan import Plan
-
-Batch = tuple[torch.Tensor, torch.Tensor]  # input_ids (B, S), labels (B, S); -100 = ignore
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimConfig:
-    """AdamW and clipping settings."""
-
-    lr: float = 1e-3
-    """Peak learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this; 0 disables clipping."""
-    warmup_steps: int = 0
-    """Linear warm-up steps, then constant."""
-    bf16: bool = False
-    """Run forward/backward under bf16 autocast (weights and LoRA stay fp32)."""
-
-
-def lr_factor(opt: OptimConfig, steps_done: int) -> float:
-    """Linear warm-up over ``opt.warmup_steps`` optimizer steps, then 1."""
-    w = opt.warmup_steps
-    return min(1.0, (steps_done + 1) / w) if w > 0 else 1.0
-
-
-def clip_to(params: Sequence[torch.Tensor], norm: float, max_norm: float) -> None:
-    """Scale the gradients of ``params`` down to ``max_norm`` when their global ``norm``
-    exceeds it (0 disables clipping)."""
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
+from xronos.train.batches import Batch, label_count
+from xronos.train.optim import OptimConfig, adamw, update
 
 
 class _BackwardNorms:
@@ -102,10 +67,9 @@ class Trainer:
             1.0 if shard_spec(n, cfg, plan, group.rank) is not None or group.rank == 0 else 0.0
             for n, _ in named
         ]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
-        )
+        self.optimizer = adamw(self.params, opt)
         self.steps_done = 0
+        self.lr = opt.lr
         # Norms taken in backward (see the module docstring). The hooks hold only this
         # small record, not the trainer: no cycle keeps the process group alive.
         self._norms = _BackwardNorms()
@@ -117,8 +81,7 @@ class Trainer:
     def step(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
         """Forward, backward and update over ``micro_batches``; returns (loss, grad norm)."""
         self.model.train()
-        count = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro_batches)
-        denom = float(max(count, 1))
+        denom = float(max(label_count(micro_batches), 1))
         total = 0.0
         autocast = (
             torch.autocast("cpu", dtype=torch.bfloat16)
@@ -136,11 +99,8 @@ class Trainer:
                 self._norms.active = False
             total += float(loss_sum.detach())
         self._sync_partial_grads()
-        norm = self._clip()
-        for g in self.optimizer.param_groups:
-            g["lr"] = self.opt_cfg.lr * lr_factor(self.opt_cfg, self.steps_done)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        norm = self._global_norm()
+        self.lr = update(self.optimizer, self.params, self.opt_cfg, norm, self.steps_done)
         self.steps_done += 1
         return total / denom, norm
 
@@ -155,7 +115,7 @@ class Trainer:
             p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
             offset += g.numel()
 
-    def _clip(self) -> float:
+    def _global_norm(self) -> float:
         # The rest: partial gradients (final only after their all-reduce) and any gradient
         # the last backward did not touch.
         rest = [
@@ -178,10 +138,4 @@ class Trainer:
             else torch.zeros(1, dtype=torch.float64)
         )
         self.group.all_reduce(sq, "grads.norm")
-        norm = float(sq.sqrt())
-        clip_to(self.params, norm, self.opt_cfg.max_grad_norm)
-        return norm
-
-    # -- checkpoint support ----------------------------------------------------------------
-    def lr_now(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+        return float(sq.sqrt())

@@ -8,13 +8,13 @@ norm, the LM head and the loss (DESIGN §4)::
             stage 0            ◄grad─  stage 1      ◄grad─       stage n-1
 
 One :meth:`PipelineRunner.step` = the step's batches cut into ``num_microbatches``
-micro-batches (:func:`~xronos.engine.schedule.split_microbatches`), the stage's schedule
-(GPipe or 1F1B, :mod:`xronos.engine.schedule`) with non-blocking ``isend``/``irecv`` of
+micro-batches (:func:`~xronos.pipeline.schedule.split_microbatches`), the stage's schedule
+(GPipe or 1F1B, :mod:`xronos.pipeline.schedule`) with non-blocking ``isend``/``irecv`` of
 activations and their gradients, then one all-reduce of ``[Σ grad², loss]`` across stages
 for global-norm clipping and the loss, then AdamW on the stage's parameters.
 
 **Exactness.** Loss = Σ cross-entropy / global label count of the whole step, as in
-:class:`~xronos.engine.trainer.Trainer`: the last stage divides each micro-batch's summed
+:class:`~xronos.train.trainer.Trainer`: the last stage divides each micro-batch's summed
 CE by the step's label count (every rank has the data, so no communication is needed).
 Tied embeddings: the last stage keeps its own copy of the embedding matrix as its LM head
 weight; after the schedule stages 0 and n-1 swap their gradients of it (``tied/...``
@@ -40,26 +40,26 @@ import torch
 import torch.distributed as dist
 
 from xronos.comm.mappings import TPGroup
-from xronos.engine.job import ModelSource
-from xronos.engine.schedule import (
+from xronos.errors import UserError
+from xronos.metrics.recorder import SpanRecorder, current_recorder
+from xronos.metrics.records import Span
+from xronos.model.llama import LlamaForCausalLM
+from xronos.model.lora import LoRALinear, add_lora
+from xronos.parallel.shard import build_model, stage_holds
+from xronos.pipeline.schedule import (
     P2P,
     STRATEGIES,
     TIED_TAG,
     act_tag,
     grad_tag,
-    label_count,
     schedule,
     split_microbatches,
 )
-from xronos.engine.trainer import Batch, OptimConfig, clip_to, lr_factor
-from xronos.errors import UserError
-from xronos.metrics.recorder import SpanRecorder, current_recorder
-from xronos.metrics.records import Span
-from xronos.model.llama import Block, LlamaForCausalLM
-from xronos.model.lora import LoRALinear, add_lora
-from xronos.parallel.shard import build_model, stage_holds
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.plan import Plan
+from xronos.train.batches import Batch, label_count
+from xronos.train.optim import OptimConfig, adamw, update
+from xronos.train.source import ModelSource
 
 ACT_DTYPE = torch.float32  # the residual stream's dtype (stages are built in fp32)
 
@@ -118,7 +118,6 @@ class PipelineRunner:
             embed=self.first,
             head=self.last,
         )
-        self.blocks: list[Block] = [self.model.model.layers[i] for i in range(*self.layer_range)]  # type: ignore[misc]
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         # Stages 0 and n-1 both hold a tied embedding matrix; they swap its gradient.
@@ -132,9 +131,8 @@ class PipelineRunner:
         )
         # The tied matrix counts once in the global norm: on stage 0.
         self.norm_weight = [0.0 if p is self.tied and not self.first else 1.0 for p in self.params]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
-        )
+        self.optimizer = adamw(self.params, opt)
+        self.lr = opt.lr
         self.actions = schedule(strategy, self.stage, self.num_stages, pplan.num_microbatches)
         self.strategy = strategy
         self.steps_done = 0
@@ -229,12 +227,10 @@ class PipelineRunner:
             )
         x_in = x.detach().requires_grad_() if x is not None else None
         with rec.compute(f"fwd:mb{i}", kind="forward"), self._autocast():
-            h = self.model.model.embed_tokens(ids) if x_in is None else x_in
-            cos_sin = self.model.rotary(0, ids.shape[1], h.dtype)
-            for block in self.blocks:
-                h = block(h, cos_sin)
+            h = self.model.embed(ids) if x_in is None else x_in
+            h = self.model.decode(h, range(*self.layer_range))
             if self.last:
-                h = self.model.head.loss_sum(self.model.model.norm(h)[:, :-1], labels[:, 1:])
+                h = self.model.head_loss_sum(h, labels)
         return x_in, h
 
     def _backward(
@@ -274,11 +270,7 @@ class PipelineRunner:
         vec[1] = loss_sum  # only the last stage has a loss; the others add 0
         self.group.all_reduce(vec, "grads.norm")
         norm = float(vec[0].sqrt())
-        clip_to(self.params, norm, self.opt_cfg.max_grad_norm)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.opt_cfg.lr * lr_factor(self.opt_cfg, self.steps_done)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.lr = update(self.optimizer, self.params, self.opt_cfg, norm, self.steps_done)
         self.steps_done += 1
         return float(vec[1]) / denom, norm
 

@@ -1,11 +1,15 @@
-"""Refine the profile with real passes, then plan again.
+"""Calibration's arithmetic: fit the profiles to what real passes of a plan measured.
+
+(The passes themselves run in :mod:`xronos.profiler.calibrate`; this module is pure.)
 
 The profiler times each segment's shard alone, which is quick but not the whole truth:
 inside a real step a device also pays for cache traffic between segments, for the
 Python around the kernels, and for whatever else its host runs. So after planning,
 each device runs real forward+backward passes of the planned shards (with the real
 collectives, no parameter update) and times the compute between collectives. Each
-compute span is attributed to the segment whose collective ends it::
+compute span is attributed to the segment whose collective ends it — every collective of a
+segment carries that segment (and its layer) in its span's ``kind``
+(:func:`~xronos.planner.plan.segment_kind`)::
 
     … L3.attn.out.fwd │ norm, SwiGLU │ L3.mlp.out.fwd │ final norm, logits │ vocab.ce …
                        └── mlp ───────┘                └── vocab ───────────┘
@@ -27,38 +31,15 @@ shape; planning with them is still the exact planner.
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from xronos.comm.mappings import TPGroup
-from xronos.engine.trainer import Batch
-from xronos.metrics.recorder import SpanRecorder, use_recorder
 from xronos.metrics.records import StepRecord
-from xronos.model.llama import LlamaForCausalLM
-from xronos.model.lora import LoRALinear
-from xronos.planner.plan import SEGMENTS, Plan
-from xronos.planner.solve import DEFAULT_REPLICATED_SHARE
+from xronos.planner.plan import SEGMENTS, Plan, parse_segment_kind
 from xronos.planner.profile import CostCurve, DeviceProfile
-
-_LAYER = re.compile(r"^L(\d+)\.")
-
-
-def segment_of(collective: str) -> str:
-    """The segment whose compute a collective closes (``other`` for the step's tail)."""
-    if ".attn." in collective:
-        return "attn"
-    if ".mlp." in collective:
-        return "mlp"
-    if collective.startswith(("vocab", "head", "embed")):
-        return "vocab"
-    return "other"
+from xronos.planner.solve import DEFAULT_REPLICATED_SHARE
 
 
 def segment_times(rec: StepRecord) -> dict[str, float]:
@@ -69,43 +50,19 @@ def segment_times(rec: StepRecord) -> dict[str, float]:
     t = rec.start
     for c in rec.collectives:
         seconds, t = max(0.0, c.arrive - t), c.leave
-        seg, layer = segment_of(c.name), _LAYER.match(c.name)
-        if layer is not None and seg in ("attn", "mlp"):
-            per_layer[seg, int(layer.group(1))] += seconds
+        tag = parse_segment_kind(c.kind)
+        if tag is None:
+            out["other"] += seconds
+        elif tag[1] is not None and tag[0] in ("attn", "mlp"):
+            per_layer[tag[0], tag[1]] += seconds
         else:
-            out[seg] += seconds
+            out[tag[0]] += seconds
     out["other"] += max(0.0, rec.end - t)
     for seg in ("attn", "mlp"):
         layers = [v for (s, _), v in per_layer.items() if s == seg]
         if layers:
             out[seg] += len(layers) * statistics.median(layers)
     return out
-
-
-def measure_plan(
-    model: LlamaForCausalLM, group: TPGroup, micro: list[Batch], passes: int = 1, warmup: int = 1
-) -> dict[str, float]:
-    """Per-segment compute of ``passes`` real forward+backward passes (the median pass per
-    segment) after ``warmup`` uncounted ones. Parameters and dropout streams are left as
-    they were."""
-    gens = [m.dropout_gen for m in model.modules() if isinstance(m, LoRALinear)]
-    saved = [g.get_state() for g in gens]
-    rec = SpanRecorder(group.rank, enabled=True)
-    samples: list[dict[str, float]] = []
-    for step in range(warmup + passes):
-        if group.size > 1:
-            dist.barrier(group=group.pg)
-        rec.start_step(step)
-        with use_recorder(rec):
-            for ids, labels in micro:
-                model.loss_sum(ids, labels).backward()
-        record = rec.end_step()
-        model.zero_grad(set_to_none=True)
-        if step >= warmup and record is not None:
-            samples.append(segment_times(record))
-    for g, s in zip(gens, saved, strict=True):
-        g.set_state(s)
-    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
 
 
 @dataclass(frozen=True)
@@ -158,50 +115,3 @@ def settled(a: Plan, b: Plan) -> bool:
         if any(abs(x - y) > tol for x, y in zip(a.split(s), b.split(s), strict=True)):
             return False
     return True
-
-
-def _gather(obj: Any, group: TPGroup) -> list[Any]:
-    if group.size == 1:
-        return [obj]
-    out: list[Any] = [None] * group.size
-    dist.all_gather_object(out, obj, group=group.pg)
-    return out
-
-
-def plan_with_calibration(
-    source: Any,
-    profiles: list[DeviceProfile],
-    group: TPGroup,
-    micro: list[Batch],
-    *,
-    mlp_chunk: int,
-    vocab_chunk: int,
-    rounds: int = 5,
-) -> tuple[Plan, list[DeviceProfile], LlamaForCausalLM]:
-    """Plan from ``profiles``, then up to ``rounds`` times: measure the plan for real, fit
-    the profiles to every round so far and plan again — until the plan has settled (moved
-    by at most a unit) twice in a row. Returns the plan, the calibrated profiles and the
-    model built for the plan. Every rank gets the same result: measurements are shared."""
-    from xronos.engine.worker import build_for
-    from xronos.planner import plan_tp
-
-    def plan_of(ps: list[DeviceProfile]) -> Plan:
-        return plan_tp(source.cfg, ps, mlp_chunk=mlp_chunk, vocab_chunk=vocab_chunk)
-
-    plan = plan_of(profiles)
-    model = build_for(source, plan, group)
-    history: list[Round] = []
-    fitted, calm = profiles, 0
-    for r in range(rounds if group.size > 1 else 0):
-        with torch.enable_grad():
-            mine = measure_plan(model, group, micro, passes=2 if r == 0 else 1, warmup=int(r == 0))
-        history.append(Round(plan, _gather(mine, group), weight=float(r + 1)))
-        fitted = fit(profiles, history)
-        new = plan_of(fitted)
-        calm = calm + 1 if settled(new, plan) else 0
-        if any(new.split(s) != plan.split(s) for s in SEGMENTS):
-            model = build_for(source, new, group)
-        plan = new
-        if calm == 2:  # twice in a row: one lucky round is not enough
-            break
-    return plan, fitted, model

@@ -1,4 +1,4 @@
-"""Greedy decoding, on one process or tensor-parallel across local processes.
+"""Greedy decoding and evaluation, on one process or tensor-parallel across processes.
 
 Every rank runs the same loop on the same token ids; the vocab-parallel head's ``greedy``
 returns the same argmax on every rank (ties go to the lowest id, as ``torch.argmax``).
@@ -6,28 +6,12 @@ returns the same argmax on every rank (ties go to the lowest id, as ``torch.argm
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from xronos.comm.launch import WorkerContext
-from xronos.engine.job import ModelSource
-from xronos.engine.worker import build_for
+from xronos.data import Batcher
 from xronos.model.llama import KVCache, LlamaForCausalLM
-from xronos.planner.plan import Plan
-
-
-@dataclass(frozen=True, kw_only=True)
-class GenerateJob:
-    model: ModelSource
-    plan: Plan
-    prompts: tuple[tuple[int, ...], ...]
-    """Token ids of each prompt (BOS included if the tokenizer adds one)."""
-    max_new_tokens: int
-    eos_ids: tuple[int, ...] = ()
-    """Stop a prompt's continuation after emitting one of these (it is kept)."""
-    checkpoint: str | None = None
-    """A fine-tuning checkpoint whose weights replace the source's (resharded to ``plan``)."""
+from xronos.train.batches import label_count
+from xronos.train.session import EvalResult, EvalSpec
 
 
 @torch.no_grad()
@@ -47,22 +31,6 @@ def greedy(
             break
         ids = torch.tensor([[nxt]])
     return out
-
-
-def generate_worker(ctx: WorkerContext, job: GenerateJob) -> list[list[int]]:
-    model = build_for(job.model, job.plan, ctx.group)
-    if job.checkpoint is not None:
-        from xronos.checkpoint import load_checkpoint
-
-        load_checkpoint(
-            job.checkpoint,
-            model=model,
-            trainer=None,
-            cfg=job.model.cfg,
-            plan=job.plan,
-            group=ctx.group,
-        )
-    return [greedy(model, list(p), job.max_new_tokens, job.eos_ids) for p in job.prompts]
 
 
 @torch.no_grad()
@@ -91,3 +59,28 @@ def greedy_many(
                 break
             ids = torch.tensor([[t] for t in nxt])
     return out
+
+
+@torch.no_grad()
+def evaluate(model: LlamaForCausalLM, spec: EvalSpec) -> EvalResult:
+    """The eval loss per label token over ``spec.dataset`` and the greedy continuation of
+    each prompt (collective on a tensor-parallel shard: every rank calls it)."""
+    loss = float("nan")
+    if spec.dataset is not None and len(spec.dataset):
+        batcher = Batcher(
+            spec.dataset,
+            min(spec.batch_size, len(spec.dataset)),
+            seed=0,
+            pad_id=spec.pad_id,
+            shuffle=False,
+            drop_last=False,
+        )
+        total, count = 0.0, 0
+        model.eval()
+        for ids, labels in batcher:
+            total += float(model.loss_sum(ids, labels))
+            count += label_count([(ids, labels)])
+        loss = total / max(count, 1)
+    prompts = [list(p) for p in spec.prompts]
+    generated = greedy_many(model, prompts, spec.max_new_tokens, spec.eos_ids) if prompts else []
+    return EvalResult(loss, generated)

@@ -12,6 +12,13 @@ from xronos.comm.launch import WorkerFn, launch
 from xronos.emulation import ClusterSpec, Emulator
 
 
+def fastest_device(cluster: ClusterSpec) -> int:
+    """The index of the device that runs ``single``: the largest compute capacity (cores ×
+    CPU quota) of the spec, the first one on a tie."""
+    caps = [d.capacity for d in cluster.devices]
+    return caps.index(max(caps))
+
+
 def new_run_id(prefix: str = "run") -> str:
     return f"{prefix}-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
 
@@ -24,7 +31,7 @@ def run_on_cluster(
     emulate: bool = True,
     network: bool = False,
     timeout_s: float = 300.0,
-    cpu_period_us: int = 2_500,
+    cpu_period_us: int = 10_000,
     on_event: Callable[[int, dict[str, Any]], None] | None = None,
     stop_signal: int | None = None,
     report: Callable[[str], None] | None = None,

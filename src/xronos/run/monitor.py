@@ -47,7 +47,9 @@ class RunMonitor:
         self.records: list[list[StepRecord]] = []
         self.plan: Plan | None = None
         self.profiles: list[dict[str, Any]] = []
-        """The devices' (calibrated) profiles, when this run measured them."""
+        """The devices' calibrated profiles, when this run planned from profiles."""
+        self.measured: list[dict[str, Any]] = []
+        """The devices' profiles as measured (before calibration): what the cache keeps."""
         self.plan_s: float | None = None
         self.devices: list[str] = []
         self.checkpoint: str | None = None
@@ -78,6 +80,7 @@ class RunMonitor:
         if kind == "plan":
             self.plan, self.plan_s = Plan.from_dict(ev["plan"]), ev["seconds"]
             self.profiles = ev.get("profiles", [])
+            self.measured = ev.get("measured", [])
             if ev.get("given"):
                 how = f"{self.plan.strategy}, given"
             else:
@@ -89,6 +92,7 @@ class RunMonitor:
             from xronos.planner import PipelinePlan
 
             pplan = PipelinePlan.from_dict(ev["plan"])
+            self.measured = ev.get("measured", [])
             self.say(f"pipeline stages:\n{pplan.table()}")
             atomic_write_text(self.run_dir / "plan.json", pplan.to_json())
         elif kind == "step":
@@ -154,13 +158,14 @@ class RunMonitor:
             f"held-out exact match {acc_txt}"
         )
 
-    def finish(self, result: dict[str, Any]) -> str:
+    def finish(self, step: int) -> str:
+        """Close the logs and write the plots and ``summary.md`` (``step``: steps done)."""
         if self.bar is not None:
             self.bar.stop()
         self.metrics.close()
         wall = time.perf_counter() - self.started
         self._plots()
-        summary = self._summary(result, wall)
+        summary = self._summary(step, wall)
         atomic_write_text(self.run_dir / "summary.md", summary)
         if self.tb is not None:
             self.tb.close()
@@ -175,7 +180,7 @@ class RunMonitor:
             write_trace(self.run_dir / "trace.json", self.records, self.devices)
             plot_timeline(self.run_dir / "timeline.png", self.records, self.devices)
 
-    def _summary(self, result: dict[str, Any], wall: float) -> str:
+    def _summary(self, step: int, wall: float) -> str:
         before = next((e for e in self.evals if e["when"] == "before"), None)
         after = next((e for e in self.evals if e["when"] == "after"), None)
         lines = [
@@ -183,7 +188,7 @@ class RunMonitor:
             "",
             "| | |",
             "|---|---|",
-            f"| steps | {result.get('step')} of {self.total} |",
+            f"| steps | {step} of {self.total} |",
             f"| wall time | {wall:.1f} s |",
             f"| training tokens/s | {self.tokens / self.train_s:,.0f} |"
             if self.train_s

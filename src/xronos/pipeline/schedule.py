@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 
 from xronos.comm.mappings import TPGroup
-from xronos.engine.trainer import Batch
 from xronos.errors import UserError
 from xronos.metrics.recorder import current_recorder
+from xronos.train.batches import Batch
 
 STRATEGIES = ("pp-gpipe", "pp-1f1b")
 
@@ -106,11 +106,6 @@ def split_microbatches(batches: Sequence[Batch], m: int) -> list[Batch]:
             )
         out += zip(ids.tensor_split(parts), labels.tensor_split(parts), strict=True)
     return out
-
-
-def label_count(batches: Sequence[Batch]) -> int:
-    """Next-token labels that count in the loss (labels are unshifted; -100 = ignore)."""
-    return sum(int((labels[:, 1:] != -100).sum()) for _, labels in batches)
 
 
 ACT_TAG, GRAD_TAG, TIED_TAG = 0, 1, 1 << 20

@@ -29,15 +29,19 @@ from xronos.data import (
     tokenize,
 )
 from xronos.emulation import ClusterSpec, load_cluster
-from xronos.engine.finetune import FinetuneJob, finetune_worker
-from xronos.engine.job import ModelSource
-from xronos.engine.trainer import OptimConfig
 from xronos.errors import UserError
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import Plan, default_mlp_chunk, default_vocab_chunk
 from xronos.profiler.measure import Shape
 from xronos.profiler.run import load_cached, profile_key
+from xronos.run.launch import fastest_device
+from xronos.run.sessions import ProfileSource, SessionSpec
+from xronos.run.worker import FinetuneJob, finetune_worker
 from xronos.runconfig import RunConfig
+from xronos.train.batches import DatasetBatches
+from xronos.train.optim import OptimConfig
+from xronos.train.session import EvalSpec, Strategy
+from xronos.train.source import ModelSource
 from xronos.utils import atomic_write_text
 
 DEFAULT_STEPS = 400
@@ -83,7 +87,9 @@ def _steps(cfg: RunConfig, batches_per_epoch: int) -> int:
     return DEFAULT_STEPS
 
 
-def _plan_for(cfg: RunConfig, source: ModelSource, cluster: ClusterSpec) -> Plan | None:
+def _plan_for(
+    cfg: RunConfig, strategy: Strategy, source: ModelSource, cluster: ClusterSpec
+) -> Plan | None:
     devices = [d.name for d in cluster.devices]
     if cfg.plan is not None:
         plan = Plan.from_json(Path(cfg.plan).read_text())
@@ -94,9 +100,9 @@ def _plan_for(cfg: RunConfig, source: ModelSource, cluster: ClusterSpec) -> Plan
                 f"{devices}; plan again with `xronos plan`"
             )
         return plan
-    if cfg.strategy == "tp-even":
+    if strategy is Strategy.TP_EVEN:
         return Plan.even(source.cfg, devices)
-    if cfg.strategy == "single":
+    if strategy is Strategy.SINGLE:
         return Plan.single(source.cfg, devices[0])
     return None
 
@@ -104,6 +110,7 @@ def _plan_for(cfg: RunConfig, source: ModelSource, cluster: ClusterSpec) -> Plan
 def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
     """Resolve and check every input; nothing is started and nothing is written.
     ``cluster`` overrides ``cfg.cluster`` (the machines of a torchrun run)."""
+    strategy = Strategy.parse(cfg.strategy)
     source = ModelSource.from_name(cfg.model, cfg.seed)
     if cfg.seq_len > source.cfg.max_position_embeddings:
         raise UserError(
@@ -123,8 +130,8 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
     evald = tokenize(eval_ex, tok, cfg.seq_len, truncation="drop") if eval_ex else None
     scored = [e for e in eval_ex if e.prompt and e.completion][: cfg.eval_size]
     cluster = cluster or load_cluster(cfg.cluster)
-    if cfg.strategy == "single":
-        fastest = max(cluster.devices, key=lambda d: d.capacity)
+    if strategy is Strategy.SINGLE:
+        fastest = cluster.devices[fastest_device(cluster)]
         cluster = ClusterSpec(name=f"{cluster.name}:{fastest.name}", devices=(fastest,))
     shape = Shape(
         cfg=source.cfg,
@@ -140,30 +147,40 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
     batches = len(train) // cfg.batch_size
     run_dir = Path(cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     job = FinetuneJob(
-        source=source,
-        strategy=cfg.strategy,
-        plan=_plan_for(cfg, source, cluster),
-        shape=shape,
-        profile_keys=keys,
-        profiles=tuple(cached) if cached else None,
-        memory_caps=tuple(d.memory_bytes for d in cluster.devices),
-        optim=OptimConfig(
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            max_grad_norm=cfg.max_grad_norm,
-            warmup_steps=cfg.warmup_steps,
-            bf16=cfg.bf16,
+        session=SessionSpec(
+            source=source,
+            strategy=strategy,
+            optim=OptimConfig(
+                lr=cfg.lr,
+                weight_decay=cfg.weight_decay,
+                max_grad_norm=cfg.max_grad_norm,
+                warmup_steps=cfg.warmup_steps,
+                bf16=cfg.bf16,
+            ),
+            shape=shape,
+            grad_accum=cfg.grad_accum,
+            plan=_plan_for(cfg, strategy, source, cluster),
         ),
-        train=train,
-        eval=evald,
-        eval_prompts=tuple(tuple(encode_prompt(tok, e.prompt)) for e in scored),
-        max_new_tokens=cfg.max_new_tokens,
-        eos_ids=eos,
-        batch_size=cfg.batch_size,
-        grad_accum=cfg.grad_accum,
+        data=DatasetBatches(
+            train, cfg.batch_size, seed=cfg.seed, pad_id=tok.pad_id, grad_accum=cfg.grad_accum
+        ),
         steps=_steps(cfg, batches),
+        profiles=ProfileSource(
+            memory_caps=tuple(d.memory_bytes for d in cluster.devices),
+            keys=keys,
+            cached=tuple(cached) if cached else None,
+        ),
+        eval=EvalSpec(
+            dataset=evald,
+            prompts=tuple(
+                tuple(encode_prompt(tok, e.prompt, add_special_tokens=not e.chat)) for e in scored
+            ),
+            max_new_tokens=cfg.max_new_tokens,
+            eos_ids=eos,
+            batch_size=cfg.batch_size,
+            pad_id=tok.pad_id,
+        ),
         seed=cfg.seed,
-        pad_id=tok.pad_id,
         eval_every=cfg.eval_every,
         save_every=cfg.save_every,
         run_dir=str(run_dir),
@@ -195,8 +212,8 @@ def accuracy(tok: Tokenizer, generated: list[list[int]], refs: list[str]) -> flo
     return smarthome.exact_match(preds, refs)
 
 
-def launch_job(prep: Prepared, on_event: Any) -> list[dict[str, Any]]:
-    from xronos.engine.cluster import run_on_cluster
+def launch_job(prep: Prepared, on_event: Any) -> list[Any]:
+    from xronos.run.launch import run_on_cluster
 
     cfg = prep.cfg
     return run_on_cluster(

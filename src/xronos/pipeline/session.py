@@ -1,0 +1,111 @@
+"""Pipeline sessions (``pp-gpipe``, ``pp-1f1b``): a :class:`PipelineRunner` behind the
+loop's :class:`~xronos.train.session.Session` seam.
+
+Evaluation and checkpoints use the whole model gathered on rank 0, so a pipeline run
+evaluates and exports exactly like a tensor-parallel one. Its checkpoints hold the weights
+and the step but not the optimizer state: a pipeline run cannot be resumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xronos.checkpoint import save_checkpoint
+from xronos.comm.mappings import TPGroup
+from xronos.errors import UserError
+from xronos.metrics.records import Span
+from xronos.model.llama import LlamaForCausalLM
+from xronos.pipeline.runner import PipelineRunner
+from xronos.planner.pipeline import PipelinePlan
+from xronos.planner.plan import Plan
+from xronos.train.batches import Batch, label_count
+from xronos.train.generate import evaluate
+from xronos.train.optim import OptimConfig
+from xronos.train.session import EvalResult, EvalSpec, StepResult, Strategy
+from xronos.train.source import ModelSource
+
+
+class PipelineSession:
+    """This rank's pipeline stage under ``pplan`` (stage ``j`` = rank ``j`` of ``group``)."""
+
+    def __init__(
+        self,
+        source: ModelSource,
+        pplan: PipelinePlan,
+        group: TPGroup,
+        optim: OptimConfig,
+        strategy: Strategy,
+        timeout_s: float = 120.0,
+    ) -> None:
+        if not strategy.is_pipeline:
+            raise ValueError(f"{strategy} is not a pipeline strategy")
+        self.source, self.pplan, self.group, self.strategy = source, pplan, group, strategy
+        self.runner = PipelineRunner(
+            source, pplan, group, optim, strategy=strategy.value, timeout_s=timeout_s
+        )
+        m = pplan.num_microbatches
+        self.max_events = 6 * m + 8  # ≤ 2 computes + 4 p2p spans per micro-batch, tied, norm
+
+    @property
+    def steps_done(self) -> int:
+        return self.runner.steps_done
+
+    def step(self, micro: Sequence[Batch]) -> StepResult:
+        loss, norm = self.runner.step(micro)
+        return StepResult(loss, norm, self.runner.lr, label_count(micro))
+
+    def _whole(self) -> LlamaForCausalLM | None:
+        """The full model with the trained weights, on rank 0 only (collective)."""
+        state = self.runner.gather_state()
+        if self.group.rank != 0:
+            return None
+        model = self.source.build(Plan.single(self.source.cfg), TPGroup())
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in state.items():
+                if name in params:
+                    params[name].copy_(value)
+        return model
+
+    def evaluate(self, spec: EvalSpec) -> EvalResult | None:
+        model = self._whole()
+        result = evaluate(model, spec) if model is not None else None
+        self.group.barrier()
+        return result
+
+    def save(self, path: Path, extra: dict[str, Any]) -> None:
+        model = self._whole()
+        if model is not None:
+            save_checkpoint(
+                path,
+                model=model,
+                optimizer=None,
+                step=self.steps_done,
+                cfg=self.source.cfg,
+                plan=Plan.single(self.source.cfg),
+                group=TPGroup(),
+                extra=extra,
+            )
+        self.group.barrier()
+
+    def load(self, path: str) -> dict[str, Any]:
+        raise UserError(
+            "pipeline runs cannot be resumed (their checkpoints hold no optimizer "
+            "state); resume with --strategy xronos or tp-even"
+        )
+
+    def gather_state(self) -> dict[str, torch.Tensor]:
+        return self.runner.gather_state()
+
+    def isolated_compute(self, micro: Sequence[Batch]) -> list[Span]:
+        return self.runner.isolated_compute(micro)
+
+    def describe(self) -> dict[str, Any]:
+        return self.pplan.to_dict()
+
+    def close(self) -> None:
+        self.runner.close()

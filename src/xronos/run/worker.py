@@ -1,0 +1,211 @@
+"""The fine-tuning run each device's worker executes (``xronos finetune``, ``xronos worker``
+and the exactness tests alike).
+
+Rank 0 reports to the parent through events; the parent owns the console, the run
+directory's logs and the evaluation metric (it holds the tokenizer).
+
+    open session (profile + plan) ─► [resume] ─► eval ─► train_loop … ─► save ─► eval
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from xronos.checkpoint import checkpoint_path
+from xronos.comm.launch import WorkerContext
+from xronos.comm.mappings import TPGroup
+from xronos.errors import UserError
+from xronos.metrics.recorder import SpanRecorder
+from xronos.metrics.records import StepRecord
+from xronos.run.sessions import Opened, Profiles, ProfileSource, SessionSpec, open_session
+from xronos.train.batches import StepSource
+from xronos.train.loop import LossNotFinite, StepOutcome, train_loop
+from xronos.train.session import EvalSpec, Session
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneJob:
+    """A fine-tuning run as every rank sees it (plain picklable data)."""
+
+    session: SessionSpec
+    data: StepSource
+    """The training batches (each rank holds its own copy and position)."""
+    steps: int
+    """Train until this many optimizer steps are done."""
+    profiles: ProfileSource
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    seed: int = 0
+    eval_every: int = 0
+    save_every: int = 0
+    run_dir: str | None = None
+    """Where checkpoints go; None: no checkpoints (tests)."""
+    resume: str | None = None
+    """A checkpoint directory to continue from."""
+    record: bool = True
+    """Record collective spans for the idle/transfer analysis."""
+    return_state: bool = False
+    """Return the gathered final parameters (tests)."""
+    keep_records: bool = False
+    """Return every step's records too (tests; a run streams them to the parent)."""
+
+
+@dataclass
+class WorkerResult:
+    """What every rank returns at the end of a run."""
+
+    step: int
+    stopped: bool
+    checkpoint: str | None
+    plan: dict[str, Any]
+    losses: list[float]
+    grad_norms: list[float]
+    state: dict[str, torch.Tensor] | None = None
+    records: list[list[StepRecord]] = field(default_factory=list)
+
+
+_STOP = {"requested": False}
+
+
+def _request_stop(signum: int, frame: Any) -> None:
+    _STOP["requested"] = True
+
+
+def _agree_stop(group: TPGroup) -> bool:
+    """True on every rank once any rank was asked to stop (Ctrl-C in the parent)."""
+    flag = torch.tensor([1.0 if _STOP["requested"] else 0.0])
+    if group.size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.pg)
+    return bool(flag.item() > 0)
+
+
+def _emit_plan(ctx: WorkerContext, opened: Opened, profiles: Profiles) -> None:
+    if ctx.rank != 0:
+        return
+    s = opened.session
+    kind = "pipeline" if s.strategy.is_pipeline else "plan"
+    ctx.emit(
+        {
+            "kind": kind,
+            "strategy": s.strategy.value,
+            "plan": s.describe(),
+            "seconds": opened.seconds,
+            "measured": [p.to_dict() for p in profiles.measured or []],
+            "profiles": [p.to_dict() for p in opened.calibrated],
+            "cached": bool(profiles.source.cached),
+            "given": opened.given,
+        }
+    )
+
+
+def _evaluate(ctx: WorkerContext, session: Session, spec: EvalSpec, when: str) -> None:
+    import time
+
+    t0 = time.perf_counter()
+    result = session.evaluate(spec)
+    if ctx.rank == 0 and result is not None:
+        ctx.emit(
+            {
+                "kind": "eval",
+                "step": session.steps_done,
+                "when": when,
+                "eval_loss": result.loss,
+                "generated": result.generated,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+
+
+def _save(ctx: WorkerContext, session: Session, job: FinetuneJob) -> str:
+    assert job.run_dir is not None
+    path = checkpoint_path(job.run_dir, session.steps_done)
+    session.save(path, checkpoint_extra(job, session))
+    if ctx.rank == 0:
+        ctx.emit({"kind": "checkpoint", "step": session.steps_done, "path": str(path)})
+    return str(path)
+
+
+def checkpoint_extra(job: FinetuneJob, session: Session) -> dict[str, Any]:
+    src = job.session.source
+    return {
+        "step": session.steps_done,
+        "data": job.data.state_dict(),
+        "model": {
+            "preset": None if src.model_dir else src.name,
+            "dir": src.model_dir,
+            "seed": src.seed,
+            "config": src.cfg.to_hf_dict(),
+        },
+        "lora": asdict(src.lora) if src.lora else None,
+        "strategy": session.strategy.value,
+    }
+
+
+def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
+    """Open the strategy's session, train ``job.steps`` steps with the one loop, evaluate
+    and checkpoint as asked; every rank returns the same result."""
+    signal.signal(signal.SIGUSR1, _request_stop)
+    torch.manual_seed(job.seed)
+    profiles = Profiles(ctx, job.session.shape, job.profiles)
+    opened = open_session(job.session, ctx, ctx.group, profiles.get, job.data.peek())
+    session = opened.session
+    _emit_plan(ctx, opened, profiles)
+    if job.resume:
+        job.data.load_state_dict(session.load(job.resume)["data"])
+    if session.steps_done == 0 and not job.eval.empty:
+        _evaluate(ctx, session, job.eval, "before")
+    last: list[str | None] = [None]
+    kept: list[list[StepRecord]] = []
+
+    def after_step(o: StepOutcome) -> bool:
+        if job.keep_records and o.records:
+            kept.append(o.records)
+        if ctx.rank == 0:
+            ctx.emit(
+                {
+                    "kind": "step",
+                    "step": o.step,
+                    "loss": o.result.loss,
+                    "grad_norm": o.result.grad_norm,
+                    "tokens": o.result.tokens,
+                    "lr": o.result.lr,
+                    "records": [r.to_dict() for r in o.records],
+                }
+            )
+        stop = _agree_stop(ctx.group)
+        more = o.step < job.steps
+        if job.run_dir and job.save_every and o.step % job.save_every == 0 and more:
+            last[0] = _save(ctx, session, job)
+        if job.eval_every and o.step % job.eval_every == 0 and more and not job.eval.empty:
+            _evaluate(ctx, session, job.eval, "during")
+        return stop
+
+    recorder = SpanRecorder(ctx.rank, ctx.device, enabled=job.record and ctx.group.size > 1)
+    try:
+        loop = train_loop(session, job.data, job.steps, ctx.group, recorder, after_step)
+    except LossNotFinite as e:
+        raise UserError(
+            f"loss is {e.loss} at step {e.step}; stopped; the last good checkpoint is "
+            f"{last[0] or 'none was written yet'}; lower --lr or check the data"
+        ) from None
+    if job.run_dir:
+        last[0] = _save(ctx, session, job)
+    if not loop.stopped and not job.eval.empty:
+        _evaluate(ctx, session, job.eval, "after")
+    state = session.gather_state() if job.return_state else None
+    session.close()
+    return WorkerResult(
+        step=session.steps_done,
+        stopped=loop.stopped,
+        checkpoint=last[0],
+        plan=session.describe(),
+        losses=loop.losses,
+        grad_norms=loop.grad_norms,
+        state=state,
+        records=kept,
+    )

@@ -1,0 +1,132 @@
+"""Tensor-parallel sessions: ``xronos`` and ``tp-even`` on every device, ``single`` on one.
+
+One rank's shard under a :class:`~xronos.planner.plan.Plan`, its :class:`Trainer`, and
+what the loop asks of a session (:mod:`xronos.train.session`). With a group of one rank
+this is the plain single-device run, the oracle of every exactness test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xronos.checkpoint import load_checkpoint, save_checkpoint
+from xronos.comm.mappings import TPGroup
+from xronos.metrics.recorder import SpanRecorder, use_recorder
+from xronos.metrics.records import Span, StepRecord
+from xronos.model.llama import LlamaForCausalLM
+from xronos.parallel.gather import gather_state
+from xronos.planner.plan import Plan
+from xronos.train.batches import Batch, label_count
+from xronos.train.generate import evaluate
+from xronos.train.optim import OptimConfig
+from xronos.train.session import EvalResult, EvalSpec, StepResult, Strategy
+from xronos.train.source import ModelSource
+from xronos.train.trainer import Trainer
+
+MAX_EVENTS = 512  # collectives per step that a packed record can carry
+
+
+def compute_gaps(rec: StepRecord) -> list[Span]:
+    """The compute spans of a TP step: from the step's start to the first collective and
+    between consecutive collectives, named by the collective that ends them."""
+    out, t = [], rec.start
+    for i, c in enumerate(rec.collectives):
+        out.append(Span(f"{rec.rank}/{i}:{c.name}", t, c.arrive, "compute"))
+        t = c.leave
+    out.append(Span(f"{rec.rank}/end", t, rec.end, "compute"))
+    return out
+
+
+class TPSession:
+    """This rank's shard, its optimizer and its plan.
+
+    Args:
+        source: where the weights come from.
+        plan: units per device (``plan.world_size == group.size``).
+        group: the tensor-parallel group (size 1: the whole model on this device).
+        optim: AdamW and clipping settings.
+        strategy: the name this session runs under.
+        model: the shard already built for ``plan`` (calibration builds one), or None.
+    """
+
+    max_events = MAX_EVENTS
+
+    def __init__(
+        self,
+        source: ModelSource,
+        plan: Plan,
+        group: TPGroup,
+        optim: OptimConfig,
+        strategy: Strategy,
+        model: LlamaForCausalLM | None = None,
+    ) -> None:
+        self.source, self.plan, self.group, self.optim = source, plan, group, optim
+        self.strategy = strategy
+        self.model = model if model is not None else source.build(plan, group)
+        self.trainer = Trainer(self.model, source.cfg, plan, group, optim)
+        self._twin: Trainer | None = None
+
+    @property
+    def steps_done(self) -> int:
+        return self.trainer.steps_done
+
+    def step(self, micro: Sequence[Batch]) -> StepResult:
+        loss, norm = self.trainer.step(micro)
+        return StepResult(loss, norm, self.trainer.lr, label_count(micro))
+
+    def evaluate(self, spec: EvalSpec) -> EvalResult | None:
+        return evaluate(self.model, spec)
+
+    def save(self, path: Path, extra: dict[str, Any]) -> None:
+        save_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.trainer.optimizer,
+            step=self.steps_done,
+            cfg=self.source.cfg,
+            plan=self.plan,
+            group=self.group,
+            extra=extra,
+        )
+
+    def load(self, path: str) -> dict[str, Any]:
+        loaded = load_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.trainer.optimizer,
+            cfg=self.source.cfg,
+            plan=self.plan,
+            group=self.group,
+        )
+        self.trainer.steps_done = loaded.step
+        return loaded.extra
+
+    def gather_state(self) -> dict[str, torch.Tensor]:
+        return gather_state(self.model, self.source.cfg, self.plan, self.group)
+
+    def isolated_compute(self, micro: Sequence[Batch]) -> list[Span]:
+        """The same step's compute with no communication in flight: a twin of this shard
+        built on the :meth:`~xronos.comm.mappings.TPGroup.silent` group (same shapes, same
+        work, collectives recorded but not performed) takes one training step, timed like
+        the real ones. This session's parameters and optimizer are not touched."""
+        if self._twin is None:
+            silent = self.group.silent()
+            twin = self.source.build(self.plan, silent)
+            self._twin = Trainer(twin, self.source.cfg, self.plan, silent, self.optim)
+            self._twin.step(micro)  # AdamW allocates its moments on the first step
+        rec = SpanRecorder(self.group.rank, enabled=True)
+        rec.start_step(-1)
+        with use_recorder(rec):
+            self._twin.step(micro)
+        record = rec.end_step()
+        return compute_gaps(record) if record is not None else []
+
+    def describe(self) -> dict[str, Any]:
+        return self.plan.to_dict()
+
+    def close(self) -> None:
+        self._twin = None

@@ -1,0 +1,62 @@
+"""The product's own fine-tuning worker, set up for exactness tests: a job on random
+batches with a given plan, run on gloo ranks or as the single-device oracle."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tests.dist.world import WorkerContext
+from xronos.comm.mappings import TPGroup
+from xronos.config import ModelConfig
+from xronos.model.lora import LoRAConfig
+from xronos.planner.pipeline import PipelinePlan
+from xronos.planner.plan import Plan
+from xronos.profiler.measure import Shape
+from xronos.run.sessions import ProfileSource, SessionSpec
+from xronos.run.worker import FinetuneJob, WorkerResult, finetune_worker
+from xronos.train.batches import RandomBatches
+from xronos.train.optim import OptimConfig
+from xronos.train.session import Strategy
+from xronos.train.source import ModelSource
+
+
+def job(
+    cfg: ModelConfig,
+    *,
+    lora: LoRAConfig | None,
+    steps: int,
+    plan: Plan | None = None,
+    pipeline: PipelinePlan | None = None,
+    strategy: Strategy = Strategy.XRONOS,
+    batch_size: int = 2,
+    keep_records: bool = False,
+) -> FinetuneJob:
+    """``steps`` steps of batch ``batch_size`` × 16 tokens, 2 accumulated micro-batches, the
+    same random step every time (a memorisation task whose loss must fall)."""
+    source = ModelSource(cfg=cfg, seed=5, lora=lora)
+    shape = Shape(cfg=cfg, batch_size=batch_size, seq_len=16, mlp_chunk=8, vocab_chunk=8)
+    return FinetuneJob(
+        session=SessionSpec(
+            source=source,
+            strategy=strategy,
+            optim=OptimConfig(lr=1e-2 if lora else 3e-3, max_grad_norm=1.0, weight_decay=0.01),
+            shape=shape,
+            grad_accum=2,
+            plan=plan,
+            pipeline=pipeline,
+        ),
+        data=RandomBatches(
+            cfg.vocab_size, batch_size=batch_size, seq_len=16, grad_accum=2, seed=1, repeat=True
+        ),
+        steps=steps,
+        profiles=ProfileSource(memory_caps=(), keys=()),
+        return_state=True,
+        keep_records=keep_records,
+    )
+
+
+def single(j: FinetuneJob) -> WorkerResult:
+    """The oracle: the same job with ``single``, in this process, on one device."""
+    spec = dataclasses.replace(j.session, strategy=Strategy.SINGLE, plan=None, pipeline=None)
+    ctx = WorkerContext(0, 1, "local", TPGroup(), 0.0, ("local",))
+    return finetune_worker(ctx, dataclasses.replace(j, session=spec, keep_records=False))
