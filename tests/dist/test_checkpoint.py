@@ -6,10 +6,13 @@ One 3-rank world trains a few steps, saves, trains on (the uninterrupted run) an
 resumes a fresh shard from the checkpoint under the same Plan; a 2-rank world under
 another Plan and a single process then resume from the same files. Full fine-tuning and
 LoRA (with dropout, so the dropout generators must be restored) run in the same worlds.
+The 3- and 2-rank Plans cut a KV group (ranks that share it both hold its K/V rows): the
+checkpoint holds those rows once and they load onto the other Plans.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
 from xronos.model.lora import LoRAConfig
 from xronos.parallel.gather import gather_tensor
-from xronos.parallel.spec import shard_spec
+from xronos.parallel.spec import owned_part, shard_spec, shared_kv_heads
 from xronos.planner.plan import Plan
 from xronos.train.batches import RandomBatches
 from xronos.train.optim import OptimConfig
@@ -39,14 +42,25 @@ from xronos.train.tp import TPSession
 LOSS_RTOL = 1e-4
 
 CFG = ModelConfig(
-    vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
-    num_kv_heads=4, tie_word_embeddings=True,
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    tie_word_embeddings=True,
 )
+# Query heads 3 : 3 : 2 (ranks 0 and 1 share KV group 1), then 5 : 3 (both share group 2).
 PLANS = {
-    3: Plan.from_shares(CFG, [3.0, 1.5, 1.0], mlp_chunk=8, vocab_chunk=8),
-    2: Plan.from_shares(CFG, [1.0, 3.0], mlp_chunk=8, vocab_chunk=8),
+    3: dataclasses.replace(
+        Plan.from_shares(CFG, [3.0, 1.5, 1.0], mlp_chunk=8, vocab_chunk=8), attn=(3, 3, 2)
+    ),
+    2: dataclasses.replace(
+        Plan.from_shares(CFG, [1.0, 3.0], mlp_chunk=8, vocab_chunk=8), attn=(5, 3)
+    ),
     1: Plan.single(CFG),
 }
+assert shared_kv_heads(CFG, PLANS[3]) == (1,) and shared_kv_heads(CFG, PLANS[2]) == (2,)
 # warm-up longer than the saved steps: the resumed lr schedule depends on steps_done
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, warmup_steps=4, max_grad_norm=1.0)
 BEFORE, AFTER = 3, 3
@@ -78,10 +92,11 @@ def _snapshot(session: TPSession, group: TPGroup) -> dict[str, Any]:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        spec = shard_spec(name, CFG, PLANS[group.size], group.rank)
+        plan = PLANS[group.size]
 
-        def full(t: torch.Tensor, name: str = name, spec: Any = spec) -> torch.Tensor:
-            return t.detach().clone() if spec is None else gather_tensor(t, spec.dim, group, name)
+        def full(t: torch.Tensor, name: str = name, plan: Plan = plan) -> torch.Tensor:
+            own, spec = owned_part(t, name, CFG, plan, group.rank)  # a shared row once
+            return t.detach().clone() if spec is None else gather_tensor(own, spec.dim, group, name)
 
         out[f"param/{name}"] = full(p)
         for kind, value in trainer.optimizer.state[p].items():
@@ -104,11 +119,17 @@ def _save_world(ctx: WorkerContext, cases: list[Case]) -> list[dict[str, Any]]:
         torch.manual_seed(12345)  # disturb: the load must bring the saved state back
         fresh = _build(case, ctx.group)
         got = fresh.load(case.ckpt)
-        results.append({
-            "saved": saved, "rng": rng, "extra": got, "same_rng": torch.get_rng_state(),
-            "reloaded": _snapshot(fresh, ctx.group),
-            "uninterrupted": uninterrupted, "resumed": _run(fresh, BEFORE, AFTER),
-        })
+        results.append(
+            {
+                "saved": saved,
+                "rng": rng,
+                "extra": got,
+                "same_rng": torch.get_rng_state(),
+                "reloaded": _snapshot(fresh, ctx.group),
+                "uninterrupted": uninterrupted,
+                "resumed": _run(fresh, BEFORE, AFTER),
+            }
+        )
     return results
 
 
@@ -119,10 +140,13 @@ def _load_world(ctx: WorkerContext, cases: list[Case]) -> list[dict[str, Any]]:
         session = _build(case, ctx.group)
         extra = session.load(case.ckpt)
         rng = torch.get_rng_state()
-        results.append({
-            "rng": rng, "reloaded": _snapshot(session, ctx.group),
-            "resumed": _run(session, int(extra["data"]["step"]), AFTER),
-        })
+        results.append(
+            {
+                "rng": rng,
+                "reloaded": _snapshot(session, ctx.group),
+                "resumed": _run(session, int(extra["data"]["step"]), AFTER),
+            }
+        )
     return results
 
 
@@ -138,8 +162,12 @@ def _check_files(case: Case) -> None:
     """Each rank file holds exactly its own slices; replicated tensors only in rank 0's."""
     ckpt = Path(case.ckpt)
     assert sorted(p.name for p in ckpt.iterdir()) == [
-        "COMPLETE", "index.json", "meta.json",
-        "rank0.safetensors", "rank1.safetensors", "rank2.safetensors",
+        "COMPLETE",
+        "index.json",
+        "meta.json",
+        "rank0.safetensors",
+        "rank1.safetensors",
+        "rank2.safetensors",
     ]
     name = "model.layers.0.self_attn.q_proj." + ("lora_B.weight" if case.lora else "weight")
     for rank in range(3):
@@ -152,6 +180,14 @@ def _check_files(case: Case) -> None:
             assert any(k.startswith("param/") and "q_proj.weight" in k for k in keys) == (
                 case.lora is None
             ), "a LoRA checkpoint holds no frozen base weight"
+    # the rows of the shared KV group 1 are written once (by rank 0, its owner)
+    kv = "model.layers.0.self_attn.k_proj." + ("lora_B.weight" if case.lora else "weight")
+    lengths = []
+    for rank in range(3):
+        with safe_open(str(ckpt / f"rank{rank}.safetensors"), framework="pt") as f:
+            key, keys = f"param/{kv}", set(f.keys())
+            lengths.append(f.get_slice(key).get_shape()[0] if key in keys else 0)
+    assert lengths == [2 * CFG.head_dim, CFG.head_dim, CFG.head_dim], lengths
     meta = read_checkpoint_meta(ckpt)
     assert meta["step"] == BEFORE and meta["world_size"] == 3
     assert (meta["base"]["fingerprint"] is None) == (case.lora is None)

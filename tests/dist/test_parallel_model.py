@@ -2,7 +2,10 @@
 
 Each rank builds the same seeded reference model (one device) and its own shard under an
 uneven plan, runs the same batch through both, and compares logits, loss and the gradient
-of every parameter with the slice of the reference gradient it should hold. Every rank's
+of every parameter with the slice of the reference gradient it should hold. Attention is
+split by query heads; splits that cut a KV group make two ranks hold (and compute) its K/V,
+whose gradients must then be summed between them (a must-fail control checks that the sum
+is needed). Every rank's
 parameters then reassemble into the reference's; for the LoRA adapters the layout is checked
 against DESIGN §3's rule, and their gradients are reassembled too, both after and (as a
 must-fail control) before the all-reduce of the per-rank partial sums.
@@ -22,7 +25,7 @@ from xronos.config import ModelConfig
 from xronos.model.lora import LoRAConfig
 from xronos.parallel.gather import gather_state, gather_tensor
 from xronos.parallel.shard import build_model
-from xronos.parallel.spec import partial_grad, shard_spec
+from xronos.parallel.spec import kv_heads, owned_part, partial_grad, shard_spec, shared_kv_heads
 from xronos.planner.plan import Plan
 
 # fp32 throughout; sharding only reassociates sums (all-reduce of partial matmuls), so
@@ -47,7 +50,7 @@ def _cfg(tied: bool, qk_norm: bool = False, bias: bool = False) -> ModelConfig:
 
 
 def _plan(cfg: ModelConfig, split: list[int]) -> Plan:
-    # attn gets exactly ``split`` KV groups; mlp and vocab proportional to it (so a 0 in
+    # attn gets exactly ``split`` query heads; mlp and vocab proportional to it (so a 0 in
     # ``split`` is a rank with no units of any segment: it only runs replicated work)
     p = Plan.from_shares(cfg, [float(s) for s in split], mlp_chunk=8, vocab_chunk=8)
     return Plan(
@@ -95,9 +98,12 @@ def _forward_backward(ctx: WorkerContext, arg: tuple) -> dict:
     # Adapter gradients as the backward left them: the replicated factors still hold
     # per-rank partial sums (the must-fail control below).
     unsynced = {n: _grad(p).clone() for n, p in shard.named_parameters() if ".lora_" in n}
-    _all_reduce_partial_grads(shard, ctx.group)
+    kv_unsynced = {n: _grad(p).clone() for n, p in shard.named_parameters() if _kv_split(n)}
+    _all_reduce_partial_grads(shard, cfg, plan, ctx.group)
     grads = {n: _grad(p) for n, p in shard.named_parameters() if p.requires_grad}
-    out["grad_err"], out["grad_scale"] = {}, {}
+    out["grad_err"], out["grad_scale"], out["kv_unsynced_err"] = {}, {}, {}
+    k0, k1 = kv_heads(cfg, plan, ctx.rank)
+    holds_shared = any(k0 <= g < k1 for g in shared_kv_heads(cfg, plan))
     for n, p in ref.named_parameters():
         if not p.requires_grad:
             continue
@@ -106,6 +112,8 @@ def _forward_backward(ctx: WorkerContext, arg: tuple) -> dict:
         want = full if spec is None else full.narrow(spec.dim, spec.start, grads[n].shape[spec.dim])
         out["grad_err"][n] = float((grads[n] - want).abs().max()) if want.numel() else 0.0
         out["grad_scale"][n] = float(want.abs().max()) if want.numel() else 0.0
+        if holds_shared and n in kv_unsynced:  # a shared group's rows before their sum
+            out["kv_unsynced_err"][n] = float((kv_unsynced[n] - want).abs().max())
     ref_params = dict(ref.named_parameters())
     out["gathered_equal"] = all(
         torch.equal(v, ref_params[k]) for k, v in gather_state(shard, cfg, plan, ctx.group).items()
@@ -115,14 +123,30 @@ def _forward_backward(ctx: WorkerContext, arg: tuple) -> dict:
     return out
 
 
-def _all_reduce_partial_grads(model: torch.nn.Module, group: TPGroup) -> None:
-    """Sum the gradients that ``partial_grad`` names as per-rank partials over the ranks, as
-    a training step does before its update (one all-reduce per tensor here: simple, and
-    the sum is the same)."""
+def _kv_split(name: str) -> bool:
+    """Split along K/V heads: k/v weight and bias, and LoRA B on k/v (DESIGN §3)."""
+    module = name.split(".")[-3] if ".lora_" in name else name.split(".")[-2]
+    return module in ("k_proj", "v_proj") and ".lora_A." not in name
+
+
+def _all_reduce_partial_grads(
+    model: torch.nn.Module, cfg: ModelConfig, plan: Plan, group: TPGroup
+) -> None:
+    """Sum the gradients that ``partial_grad`` names as per-rank partials over the ranks,
+    and the K/V rows of KV groups several ranks hold over those ranks, as a training step
+    does before its update (here one all-reduce per tensor, K/V rows placed at their
+    full-tensor position in a zero buffer: simple, and the sum is the same)."""
     for n, p in model.named_parameters():
-        if p.requires_grad and partial_grad(n):
+        if not p.requires_grad:
+            continue
+        if partial_grad(n):
             p.grad = _grad(p).clone()
             group.all_reduce(p.grad, f"test.{n}")
+        elif _kv_split(n) and (spec := shard_spec(n, cfg, plan, group.rank)) is not None:
+            full = torch.zeros([cfg.num_kv_heads * cfg.head_dim, *p.shape[1:]])
+            full.narrow(0, spec.start, spec.end - spec.start).copy_(_grad(p))
+            group.all_reduce(full, f"test.{n}")
+            p.grad = full.narrow(0, spec.start, spec.end - spec.start).clone()
 
 
 def _grad(p: torch.nn.Parameter) -> torch.Tensor:
@@ -146,12 +170,15 @@ def _lora_role(name: str) -> tuple[str, str]:
     return ("column" if module in COLUMN_BASES else "row"), factor
 
 
-def _copies(t: torch.Tensor, dim: int | None, group: TPGroup, name: str) -> list[torch.Tensor]:
-    """The full tensor as every rank's pieces give it: one concatenation of the shards, or,
-    for a replicated tensor, every rank's copy (each must be the whole thing)."""
+def _copies(
+    t: torch.Tensor, dim: int | None, group: TPGroup, name: str, cfg: ModelConfig, plan: Plan
+) -> list[torch.Tensor]:
+    """The full tensor as every rank's pieces give it: one concatenation of the shards (a
+    shared KV group's rows from its owner only), or, for a replicated tensor, every rank's
+    copy (each must be the whole thing)."""
     if dim is None:
         return group.all_gather(t.detach().contiguous(), name)
-    return [gather_tensor(t, dim, group, name)]
+    return [gather_tensor(owned_part(t, name, cfg, plan, group.rank)[0], dim, group, name)]
 
 
 def _reassembled_lora(
@@ -178,15 +205,17 @@ def _reassembled_lora(
             if dim is None
             else (spec is not None and spec.dim == dim),
             "local_shape_ok": all(p.shape[d] == want.shape[d] for d in whole),
-            "params_equal": all(torch.equal(c, want) for c in _copies(p, dim, group, n)),
+            "params_equal": all(torch.equal(c, want) for c in _copies(p, dim, group, n, cfg, plan)),
             "grad_err": max(
-                float((c - want_grad).abs().max()) for c in _copies(_grad(p), dim, group, n)
+                float((c - want_grad).abs().max())
+                for c in _copies(_grad(p), dim, group, n, cfg, plan)
             ),
             "grad_scale": float(want_grad.abs().max()),
         }
         if dim is None:  # a replicated factor: its gradient is a partial sum until all-reduced
             r["unsynced_err"] = max(
-                float((c - want_grad).abs().max()) for c in _copies(unsynced[n], dim, group, n)
+                float((c - want_grad).abs().max())
+                for c in _copies(unsynced[n], dim, group, n, cfg, plan)
             )
         out[n] = r
     return out
@@ -207,7 +236,11 @@ def _full_shape(name: str, cfg: ModelConfig, lora: LoRAConfig) -> tuple[int, int
     return (out[module], lora.r)
 
 
-SPLITS = [[2, 2], [3, 1], [1, 2, 1], [0, 3, 1]]
+# query heads per rank (8 heads in 4 KV groups of 2): whole groups, and splits that cut a
+# group (3-5: ranks 0 and 1 share group 1; 1-4-3: groups 0 and 2 shared; 3-0-5: a zero-head
+# rank between the two ranks that share group 1)
+SPLITS = [[4, 4], [6, 2], [2, 4, 2], [0, 6, 2], [3, 5], [1, 4, 3], [3, 0, 5]]
+CUTS_A_GROUP = ([3, 5], [1, 4, 3], [3, 0, 5])
 VARIANTS = ("untied", "tied", "qwen2-bias", "qwen3-qknorm", "lora")
 
 
@@ -229,7 +262,8 @@ def _prefixed(tag: str) -> Callable[[str], str]:
 
 @pytest.mark.parametrize("split", SPLITS, ids=lambda s: "-".join(map(str, s)))
 def test_sharded_matches_reference(split: list[int]) -> None:
-    for rank_result in run_world(_all_variants, len(split), split):
+    rank_results = run_world(_all_variants, len(split), split)
+    for rank_result in rank_results:
         for variant, r in rank_result.items():
             torch.testing.assert_close(
                 r["tp_logits"],
@@ -242,7 +276,14 @@ def test_sharded_matches_reference(split: list[int]) -> None:
             for n, err in r["grad_err"].items():
                 assert err <= ATOL + RTOL * r["grad_scale"][n], f"{variant} {n}: grad off by {err}"
             assert r["gathered_equal"], f"{variant}: gathered shards differ from the master"
+            # Must-fail control: before the sum over the ranks sharing a KV group, the
+            # shared rows' gradient is only this rank's part (same tolerance as above).
+            for n, err in r["kv_unsynced_err"].items():
+                tol = ATOL + RTOL * r["grad_scale"][n]
+                assert err > 10 * tol, f"{variant} {n}: a shared K/V gradient looked complete"
         _check_lora(rank_result["lora"]["lora"])
+    holds_shared = [bool(r["untied"]["kv_unsynced_err"]) for r in rank_results]
+    assert any(holds_shared) == (split in CUTS_A_GROUP), holds_shared
 
 
 def _check_lora(result: dict[str, dict]) -> None:

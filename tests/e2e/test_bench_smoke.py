@@ -22,6 +22,7 @@ KEYS = {
     "peak_rss_mb",
     "plan",
     "per_device",
+    "speedup_vs_single",
 }
 # Same seed, same data, same mathematics: per-step losses agree to fp32 reassociation.
 LOSS_RTOL = 1e-4
@@ -33,9 +34,19 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert main(["bench", "--scenario", "smoke", "--out", str(out), "--no-cache"]) == 0
     bench = json.loads((out / "bench.json").read_text())
     assert {"scenario", "model", "devices", "ideal_step_time_s", "strategies"} <= bench.keys()
-    assert bench["ideal_step_time_s"] > 0
+    # every device ran the whole model alone, and the ideal is their compute bound alone
+    solo = bench["solo_step_time_s"]
+    assert set(solo) == {"fast", "slow"} and min(solo.values()) > 0
+    assert bench["ideal_step_time_s"] == pytest.approx(1 / sum(1 / t for t in solo.values()))
     strategies = bench["strategies"]
-    assert set(strategies) == {"xronos", "tp-even", "pp-gpipe", "pp-1f1b", "single"}
+    assert set(strategies) == {"auto", "xronos", "tp-even", "pp-gpipe", "pp-1f1b", "single"}
+    # auto ran what it picked (or, for a hybrid, the best runnable) and says which
+    auto = strategies["auto"]
+    assert auto["chosen"] in {"single", "xronos", "tp-even", "pp-1f1b", "hybrid"}
+    assert auto["auto"]["ran"]["strategy"] in {"single", "xronos", "tp-even", "pp-1f1b"}
+    assert auto["predicted_step_time_s"] == pytest.approx(auto["auto"]["ran"]["predicted_step_s"])
+    for name in ("single", "xronos", "tp-even", "pp-1f1b"):
+        assert strategies[name]["predicted_step_time_s"] > 0, name
     for name, entry in strategies.items():
         assert entry.keys() >= KEYS, name
         assert 0 <= entry["idle_ratio_mean"] <= entry["idle_ratio_max"] <= 1, name
@@ -47,8 +58,10 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert plan["devices"] == ["fast", "slow"]
     for seg in ("attn", "mlp", "vocab"):
         assert plan[seg][1] < plan[seg][0], seg
+    assert strategies["single"]["speedup_vs_single"] == pytest.approx(1.0)
+    assert solo["fast"] == pytest.approx(strategies["single"]["step_time_s"])
     ref = strategies["single"]["losses"]
-    for name in ("xronos", "tp-even", "pp-gpipe", "pp-1f1b"):
+    for name in ("auto", "xronos", "tp-even", "pp-gpipe", "pp-1f1b"):
         assert strategies[name]["losses"] == pytest.approx(ref, rel=LOSS_RTOL), name
     assert (out / "bench.png").stat().st_size > 0
     # the step boundary is timed like any collective, so an early finisher's wait counts

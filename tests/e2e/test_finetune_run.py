@@ -63,6 +63,10 @@ def test_resume_matches_uninterrupted_and_reshards(tmp_path: Path) -> None:
         "--no-emulate",
     )
     want, got = _losses(whole), _losses(part)
+    # devices.json names each device's worker as it was started (the resumed run's three)
+    table = json.loads((part / "devices.json").read_text())["devices"]
+    assert [d["rank"] for d in table] == [0, 1, 2] and all(d["pid"] > 0 for d in table)
+    assert all(d["cgroups"] == [] for d in table)  # not emulated
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
         assert got[step] == pytest.approx(want[step], rel=LOSS_RTOL), step

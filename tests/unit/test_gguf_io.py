@@ -192,6 +192,18 @@ def test_slices_equal_the_narrowed_tensor(files: dict, arch: str, tied: bool, dt
                     assert torch.equal(got, full.narrow(dim, a, b - a)), (name, dim, a, b)
 
 
+def test_empty_slice_of_a_quantized_tensor(files: dict) -> None:
+    """A rank that holds none of a tensor (a zero-unit share) gets an empty slice of the
+    right shape, and nothing is read."""
+    path, state, _ = files["llama", False, "q8_0"]
+    with GGUFReader(path) as r:
+        for name, t in state.items():
+            for dim in range(t.ndim):
+                got = r.read(name, dim, 3, 3)
+                assert got.shape == t.narrow(dim, 3, 0).shape, (name, dim)
+        assert r.bytes_read == 0
+
+
 def test_row_slice_reads_only_its_rows(files: dict) -> None:
     path, _, _ = files["llama", False, "q8_0"]
     with GGUFReader(path) as r:

@@ -34,12 +34,17 @@ def _poison_outside(path: Path, cfg: ModelConfig, plan: Plan, rank: int) -> dict
     return clean
 
 
+# 8 query heads in 4 KV groups: 2 : 1 : 1 gives whole groups (4 : 2 : 2 heads); 3 : 3 : 2
+# cuts group 1, whose K/V rows ranks 0 and 1 both read.
+@pytest.mark.parametrize("shares", [[2, 1, 1], [3, 3, 2]], ids=["2-1-1", "3-3-2"])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("rank", [0, 1, 2])
-def test_rank_reads_only_its_slices(tmp_path: Path, tied: bool, rank: int) -> None:
+def test_rank_reads_only_its_slices(
+    tmp_path: Path, tied: bool, rank: int, shares: list[float]
+) -> None:
     make_checkpoint(tmp_path, "llama", tied=tied)
     cfg = ModelConfig.from_pretrained(tmp_path)
-    plan = Plan.from_shares(cfg, [2, 1, 1], mlp_chunk=8, vocab_chunk=8)
+    plan = Plan.from_shares(cfg, shares, mlp_chunk=8, vocab_chunk=8)
     clean = _poison_outside(tmp_path, cfg, plan, rank)
     # A fake 3-rank group: build_model only creates the seams, it does not communicate.
     model = build_model(cfg, plan, TPGroup(rank=rank, size=3), model_dir=tmp_path)

@@ -202,10 +202,10 @@ def test_stall_ratio_compares_matching_spans() -> None:
 
 
 def test_efficiency_and_ideal_step_time() -> None:
-    # Two devices of 2 s and 6 s alone together need 1/(1/2 + 1/6) = 1.5 s, plus 0.25 s transfer.
-    ideal = ideal_step_time([2.0, 6.0], transfer_s=0.25)
-    assert ideal == pytest.approx(1.75, abs=TOL)
-    assert efficiency(ideal, 3.5) == pytest.approx(0.5, abs=TOL)
+    # Two devices of 2 s and 6 s alone together need 1/(1/2 + 1/6) = 1.5 s, nothing moved.
+    ideal = ideal_step_time([2.0, 6.0])
+    assert ideal == pytest.approx(1.5, abs=TOL)
+    assert efficiency(ideal, 3.0) == pytest.approx(0.5, abs=TOL)
     with pytest.raises(ValueError):
         efficiency(0.0, 1.0)
     with pytest.raises(ValueError):

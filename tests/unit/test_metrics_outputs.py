@@ -141,6 +141,8 @@ BENCH: dict[str, Any] = {
     "strategies": {
         "xronos": {
             "step_time_s": 0.82,
+            "speedup_vs_single": 1.25,
+            "predicted_step_time_s": 0.8,
             "tokens_per_s": 1250.0,
             "idle_ratio_mean": 0.02,
             "idle_ratio_max": 0.04,
@@ -185,12 +187,14 @@ def test_bench_table_lists_every_strategy() -> None:
     assert lines[0].split()[0] == "strategy" and "final loss" in lines[0]
     rows = {line.split()[0]: line.split() for line in lines[2:] if not line.startswith("ideal")}
     assert set(rows) == set(BENCH["strategies"])
-    assert rows["xronos"][1:3] == ["0.820", "-18.0%"]  # 0.82 / 1.0 - 1
-    assert rows["pp-1f1b"][2] == "+90.0%"
+    assert lines[0].split()[1:3] == ["x", "single"]  # the table leads with the speed-up
+    assert rows["xronos"][1:5] == ["1.25x", "0.820", "0.800", "-18.0%"]  # 0.82 / 1.0 - 1
+    assert rows["pp-1f1b"][1] == "-"  # no speed-up given
+    assert rows["pp-1f1b"][3:5] == ["-", "+90.0%"]  # no prediction given
     assert rows["pp-1f1b"][-2:] == ["-", "-"]  # missing efficiency, NaN loss
-    assert rows["xronos"][4:6] == ["2.0%", "4.0%"]
+    assert rows["xronos"][6:8] == ["2.0%", "4.0%"]
     without_baseline = {"strategies": {"xronos": BENCH["strategies"]["xronos"]}}
-    assert format_bench_table(without_baseline).splitlines()[2].split()[2] == "-"
+    assert format_bench_table(without_baseline).splitlines()[2].split()[4] == "-"
 
     out = io.StringIO()
     print_bench_table(BENCH, Console(file=out, width=160))

@@ -11,6 +11,13 @@ from hypothesis import strategies as st
 
 from xronos.errors import UserError
 from xronos.planner import PipelinePlan, StageCosts, even_pipeline, plan_pipeline
+from xronos.planner.comm import LinkModel
+from xronos.planner.pipesearch import (
+    StageDevice,
+    lower_bound,
+    search_pipeline,
+    stage_costs_for,
+)
 
 
 def partitions(num_layers: int, n: int):
@@ -152,3 +159,109 @@ def test_json_round_trip_table_and_validation() -> None:
         PipelinePlan(("a", "b"), ((0, 3), (4, 6)), (), 2)
     with pytest.raises(ValueError, match="contiguous"):
         PipelinePlan(("a", "b"), ((0, 3), (3, 3)), (), 2)
+
+
+# -- explicit stage order, exact step, the search over orders and micro-batches -----------
+def test_stage_ranks_round_trip_and_old_plans_load() -> None:
+    plan = PipelinePlan(("slow", "fast"), ((0, 3), (3, 8)), (1.0, 2.0), 4, ranks=(1, 0))
+    assert plan.stage_ranks == (1, 0)
+    assert PipelinePlan.from_json(plan.to_json()) == plan
+    old = {k: v for k, v in plan.to_dict().items() if k != "ranks"}
+    assert PipelinePlan.from_dict(old).stage_ranks == (0, 1)
+    with pytest.raises(ValueError, match="distinct"):
+        PipelinePlan(("a", "b"), ((0, 1), (1, 2)), (), 2, ranks=(0, 0))
+
+
+def brute_step(num_layers: int, costs: list[StageCosts], m: int) -> float:
+    """Least ``Σ t + (m − 1) max t`` over every contiguous partition that fits."""
+    n, best = len(costs), math.inf
+    for sizes in partitions(num_layers, n):
+        flags = [dict(first=j == 0, last=j == n - 1) for j in range(n)]
+        if not all(c.fits(k, **f) for c, k, f in zip(costs, sizes, flags, strict=True)):
+            continue
+        times = [c.stage_s(k, **f) for c, k, f in zip(costs, sizes, flags, strict=True)]
+        best = min(best, sum(times) + (m - 1) * max(times))
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(pipeline_cases(), st.integers(1, 6))
+def test_exact_step_matches_brute_force(case: tuple[int, list[StageCosts]], m: int) -> None:
+    num_layers, costs = case
+    want = brute_step(num_layers, costs, m)
+    if want == math.inf:
+        with pytest.raises(UserError):
+            plan_pipeline(num_layers, costs, m, exact_step=True)
+        return
+    plan = plan_pipeline(num_layers, costs, m, exact_step=True)
+    assert plan.predicted_step_s == pytest.approx(want, rel=1e-9)  # float sums, same terms
+    assert plan.predicted_step_s <= plan_pipeline(num_layers, costs, m).predicted_step_s + 1e-9
+
+
+def stage_device(name: str, rank: int, speed: float, *, head: float = 1.0) -> StageDevice:
+    costs = StageCosts(name=name, layer_s=1.0 / speed, head_s=head / speed)
+    return StageDevice(costs, LinkModel(1e-3, 1e6), (rank,))
+
+
+def test_search_puts_the_head_on_the_fast_device_of_a_one_to_point_four_pair() -> None:
+    # Rank 0 is the slow one (0.4), rank 1 the fast one; a heavy head (4 layers' worth).
+    devices = [stage_device("slow", 0, 0.4, head=4.0), stage_device("fast", 1, 1.0, head=4.0)]
+    fixed = plan_pipeline(
+        12, stage_costs_for(devices, fraction=1 / 4, act_bytes=1e4), 4, exact_step=True
+    )
+    best = search_pipeline(12, devices, batch_size=4, grad_accum=1, act_bytes=1e4)
+    assert best is not None and fixed.devices[-1] == "fast"
+    assert best.devices[-1] == "fast" and best.stage_ranks[-1] == 1
+    flipped = search_pipeline(12, devices[::-1], batch_size=4, grad_accum=1, act_bytes=1e4)
+    assert flipped is not None and flipped.devices[-1] == "fast"
+    # In rank order fast -> slow, the head would sit on the slow device: the search beats it.
+    rank_order = plan_pipeline(
+        12, stage_costs_for(devices[::-1], fraction=1 / 4, act_bytes=1e4), 4, exact_step=True
+    )
+    assert rank_order.devices[-1] == "slow"
+    assert flipped.predicted_step_s < rank_order.predicted_step_s
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.floats(0.2, 2.0), min_size=2, max_size=3),
+    st.lists(st.floats(0.0, 3.0), min_size=3, max_size=3),
+    st.integers(3, 7),
+    st.integers(1, 3),
+    st.integers(1, 2),
+)
+def test_search_matches_brute_force_over_orders_and_microbatches(
+    speeds: list[float], heads: list[float], num_layers: int, batch: int, accum: int
+) -> None:
+    devices = [
+        stage_device(f"d{i}", i, s, head=h)
+        for i, (s, h) in enumerate(zip(speeds, heads[: len(speeds)], strict=True))
+    ]
+    want = math.inf
+    for size in range(2, len(devices) + 1):
+        for order in itertools.permutations(devices, size):
+            if size > num_layers:
+                continue
+            for k in range(1, batch + 1):
+                costs = stage_costs_for(list(order), fraction=1 / k, act_bytes=1e5)
+                want = min(want, brute_step(num_layers, costs, accum * k))
+    got = search_pipeline(num_layers, devices, batch_size=batch, grad_accum=accum, act_bytes=1e5)
+    assert got is not None
+    assert got.predicted_step_s == pytest.approx(want, rel=1e-9)  # same terms, other order
+    assert got.num_microbatches % accum == 0 and len(set(got.stage_ranks)) == got.num_stages
+
+
+def test_search_lets_a_device_hold_no_stage() -> None:
+    # A crawling device on the path only adds a stage and its sends: it is left out.
+    devices = [stage_device("a", 0, 1.0), stage_device("b", 1, 1.0), stage_device("c", 2, 0.01)]
+    best = search_pipeline(8, devices, batch_size=4, grad_accum=1, act_bytes=1e4)
+    assert best is not None and 2 not in best.stage_ranks
+
+
+@settings(max_examples=150, deadline=None)
+@given(pipeline_cases(), st.integers(1, 6))
+def test_the_search_bound_never_exceeds_the_best_step(
+    case: tuple[int, list[StageCosts]], m: int
+) -> None:
+    num_layers, costs = case
+    assert lower_bound(num_layers, costs, m) <= brute_step(num_layers, costs, m) + 1e-9

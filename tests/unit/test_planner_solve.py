@@ -343,22 +343,22 @@ def test_memory_errors() -> None:
 
 
 def test_more_devices_than_kv_groups() -> None:
-    cfg = tiny()  # 4 KV groups
-    profiles = [profile(f"d{i}", 1.0 - 0.1 * i) for i in range(6)]
+    cfg = tiny()  # 8 query heads (the attention units) in 4 KV groups
+    profiles = [profile(f"d{i}", 1.0 - 0.05 * i) for i in range(10)]
     plan = plan_tp(cfg, profiles)
     plan.check(cfg)
-    assert plan.attn.count(0) >= 2 and sum(plan.attn) == 4
+    assert plan.attn.count(0) >= 2 and sum(plan.attn) == 8
     assert all(u > 0 for u in plan.mlp)
 
 
 def test_min_units() -> None:
     cfg = tiny()
     profiles = [profile("fast", 1.0), profile("slow", 0.05)]
-    assert plan_tp(cfg, profiles).attn == (4, 0)  # 20x slower: not worth a KV group
+    assert plan_tp(cfg, profiles).attn == (8, 0)  # 20x slower: not worth a query head
     plan = plan_tp(cfg, profiles, min_units={"attn": 1})
-    assert plan.attn == (3, 1)
-    with pytest.raises(UserError, match="min_units asks every device for 3 attn units"):
-        plan_tp(cfg, profiles, min_units={"attn": 3})
+    assert plan.attn == (7, 1)
+    with pytest.raises(UserError, match="min_units asks every device for 5 attn units"):
+        plan_tp(cfg, profiles, min_units={"attn": 5})
     with pytest.raises(UserError, match="unknown segment"):
         plan_tp(cfg, profiles, min_units={"embed": 1})
 
@@ -413,7 +413,7 @@ def test_predict_even_vs_xronos() -> None:
 
 def test_plan_even_is_megatron_split() -> None:
     plan = plan_even(tiny(), ["a", "b", "c"])
-    assert plan.strategy == "tp-even" and plan.attn == (2, 1, 1) and not plan.predicted_s
+    assert plan.strategy == "tp-even" and plan.attn == (3, 3, 2) and not plan.predicted_s
 
 
 def test_ideal_of_two_identical_devices_is_half_the_solo_time() -> None:

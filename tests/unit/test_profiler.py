@@ -149,14 +149,27 @@ def test_measured_work_grows_linearly_with_the_units(
     # its matmul FLOPs (forward + backward). Every matmul is either fixed (LoRA's
     # replicated factor) or linear in the units, so the counts are exactly a line: a
     # profiler that built the same shard whatever u was would fail here.
+    # Attention is linear in whole KV groups (q_per_kv query heads with their K/V).
     monkeypatch.setattr(measure, "best_time", flops_of)
     shape = replace(SHAPE, lora=lora)
+    g = shape.cfg.q_per_kv if seg == "attn" else 1
     if seg == "vocab":
         points = [measure.time_vocab(u, shape, repeats=1) for u in (1, 2, 3, 4)]
     else:
-        points = [measure.time_layer_segment(seg, u, shape, repeats=1) for u in (1, 2, 3, 4)]
+        points = [measure.time_layer_segment(seg, g * u, shape, 1) for u in (1, 2, 3, 4)]
     steps = [y - x for x, y in itertools.pairwise(points)]
     assert steps[0] > 0 and steps == [steps[0]] * 3, points  # integer counts: exact
+
+
+def test_attention_units_pay_for_the_kv_groups_they_touch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first query head of a new KV group brings that group's K/V projections; the
+    # next head of the same group only its own q/o columns. A profile that built K/V per
+    # query head (or none) would see equal steps.
+    monkeypatch.setattr(measure, "best_time", flops_of)
+    q = SHAPE.cfg.q_per_kv
+    assert q >= 2
+    t = {u: measure.time_layer_segment("attn", u, SHAPE, 1) for u in (q, q + 1, q + 2)}
+    assert t[q + 1] - t[q] > t[q + 2] - t[q + 1] > 0, t
 
 
 @pytest.mark.parametrize("lora", [None, LoRAConfig(r=4)], ids=["full", "lora"])
@@ -168,15 +181,16 @@ def test_measure_segments_fits_what_it_measured(
     curves, _ = measure_segments(shape, repeats=1)
     assert set(curves) == {"attn", "mlp", "vocab"}
     totals = segment_units(shape.cfg, shape.mlp_chunk, shape.vocab_chunk)
-    layers = shape.cfg.num_layers
+    layers, q = shape.cfg.num_layers, shape.cfg.q_per_kv
     for seg, curve in curves.items():
         # The line through two points of each segment's (exactly linear) work, scaled to
-        # all layers for attn and mlp; the fit must reproduce it at every unit count.
+        # all layers for attn and mlp; the fit must reproduce it at every unit count
+        # (attention's at whole KV groups, where it is linear).
         one = {
             u: measure.time_vocab(u, shape, 1)
             if seg == "vocab"
             else measure.time_layer_segment(seg, u, shape, 1) * layers
-            for u in (1, 2, totals[seg])
+            for u in ((q, 2 * q, totals[seg]) if seg == "attn" else (1, 2, totals[seg]))
         }
         for u, want in one.items():
             # fit_line divides and subtracts counts of up to ~1e9: a few ulps of that

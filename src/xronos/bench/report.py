@@ -20,23 +20,8 @@ from xronos.metrics import (
     summarize,
     write_trace,
 )
-from xronos.planner.plan import SEGMENTS, Plan
-from xronos.planner.profile import DeviceProfile
 from xronos.train.session import Strategy
 from xronos.utils import atomic_write_text
-
-
-def solo_times(
-    profiles: list[DeviceProfile], plan: Plan, measured_single: float | None, fastest: int
-) -> list[float]:
-    """Each device's time to run the whole step alone: the profile's prediction, rescaled
-    so that the fastest device's equals the measured ``single`` step when there is one."""
-    totals = {s: sum(plan.split(s)) for s in SEGMENTS}
-    predicted = [p.step_time(totals) for p in profiles]
-    if measured_single:
-        scale = measured_single / predicted[fastest]
-        predicted = [t * scale for t in predicted]
-    return predicted
 
 
 def strategy_entry(name: Strategy, log: StrategyLog, scenario: Scenario) -> dict[str, Any]:
@@ -77,15 +62,22 @@ def build_report(
         entry = strategy_entry(name, log, scenario)
         entry["peak_rss_mb"] = out.peak_rss_mb
         entry["plan"] = log.plan
+        entry["predicted_step_time_s"] = out.predicted_step_time_s.get(name)
+        if name is Strategy.AUTO and out.auto is not None:
+            entry["chosen"] = out.auto["chosen_strategy"]
+            entry["auto"] = out.auto
         result["strategies"][name.value] = entry
-    single = result["strategies"].get("single", {}).get("step_time_s")
-    solo = solo_times(out.calibrated, Plan.single(cfg), single, fastest)
-    xr = result["strategies"].get("xronos")
-    transfer = max(d["transfer_s"] for d in xr["per_device"]) if xr else 0.0
-    ideal = ideal_step_time(solo, transfer)
+    solo = out.solo_step_time_s
+    result["solo_step_time_s"] = {d.name: t for d, t in zip(cluster.devices, solo, strict=True)}
+    single = result["strategies"].get("single", {}).get("step_time_s") or solo[fastest]
+    known = [t for t in solo if t]
+    # DESIGN §6: the compute bound, from every device's measured solo step; no transfer term
+    ideal = ideal_step_time(known) if len(known) == len(solo) else None
     result["ideal_step_time_s"] = ideal
     for entry in result["strategies"].values():
-        entry["efficiency"] = efficiency(ideal, entry["step_time_s"])
+        step = entry["step_time_s"]
+        entry["efficiency"] = efficiency(ideal, step) if ideal else None
+        entry["speedup_vs_single"] = single / step if single else None
     result.update(meta)
     return result
 

@@ -23,8 +23,8 @@ How a training loop uses it (every call is collective: all ranks of the group ca
 
 The ``extra`` dict (JSON) that the loop passes, read back by resume and export:
 
-* ``extra["model"] = {"source": <--model as given>, "dir": <absolute HF directory or
-  None>, "preset": <preset name or None>, "seed": <build_model seed>}`` -- export rebuilds
+* ``extra["model"] = {"source": <--model as given>, "dir": <absolute HF directory, GGUF
+  file or None>, "preset": <preset name or None>, "seed": <build_model seed>}`` -- export rebuilds
   the frozen base of a LoRA run from ``dir``, else from the preset ``seed``;
 * ``extra["data"] = batcher.state_dict()`` -- the data position;
 * anything else the loop wants back (optimizer settings, run config).

@@ -3,6 +3,10 @@
 Saved: every *trainable* parameter (all of them for full fine-tuning, the adapters for
 LoRA) and its AdamW state, split exactly like the parameter (AdamW is elementwise, so a
 slice of its state belongs to the same slice of the parameter and resharding is exact).
+Each rank saves its *owned* slice (``owned_spec``): the K/V rows of a KV group that
+several ranks hold are saved once, by the group's owner (their values and AdamW state are
+identical on every sharing rank, whose gradients were summed), so the saved slices tile
+every tensor and load onto any other plan.
 Frozen weights are not saved: they are rebuilt from the model source (directory or
 seeded preset), and a fingerprint of them guards against resuming on other base weights.
 """
@@ -22,7 +26,7 @@ from torch import nn
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
 from xronos.model.lora import LoRAConfig, LoRALinear
-from xronos.parallel.spec import shard_spec
+from xronos.parallel.spec import owned_part, owned_spec
 from xronos.planner.plan import Plan
 
 from .layout import TensorLayout, dtype_name
@@ -86,10 +90,10 @@ def collect(
     """This rank's parameters, optimizer state and RNG states, keyed as in ``layout``."""
     out = RankState()
     for name, p in trainable(model):
-        specs = [shard_spec(name, cfg, plan, r) for r in range(plan.world_size)]
+        specs = [owned_spec(name, cfg, plan, r) for r in range(plan.world_size)]
         ranges = None if specs[0] is None else [(s.start, s.end) for s in specs if s is not None]
         dim = None if specs[0] is None else specs[0].dim
-        out.add(f"param/{name}", p, rank, ranges, dim)
+        out.add(f"param/{name}", owned_part(p, name, cfg, plan, rank)[0], rank, ranges, dim)
         states = optimizer.state.get(p, {}) if optimizer is not None else {}
         out.params[name] = sorted(states)
         for kind, value in sorted(states.items()):
@@ -98,7 +102,7 @@ def collect(
             split = value.dim() > 0 and value.shape == p.shape
             out.add(
                 f"optim/{kind}/{name}",
-                value,
+                owned_part(value, name, cfg, plan, rank)[0] if split else value,
                 rank,
                 ranges if split else None,
                 dim if split else None,
@@ -171,9 +175,10 @@ def base_fingerprint(
         return None
     acc = torch.zeros(3, dtype=torch.float64)
     for name, p in frozen:
-        if shard_spec(name, cfg, plan, group.rank) is None and group.rank != 0:
-            continue  # replicated: rank 0 counts it
-        for c in _chunks(p):
+        own, spec = owned_part(p, name, cfg, plan, group.rank)
+        if spec is None and group.rank != 0:
+            continue  # replicated: rank 0 counts it (a shared K/V row: its owner)
+        for c in _chunks(own):
             x = c.double()
             acc += torch.stack([x.sum(), x.pow(2).sum(), x.abs().sum()])
     group.all_reduce(acc, "ckpt.fingerprint")

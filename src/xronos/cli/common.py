@@ -33,5 +33,6 @@ def add_model_arg(p: argparse.ArgumentParser, default: str | None = "tiny") -> N
         "--model",
         default=default,
         required=default is None,
-        help="preset name (tiny, small) or Hugging Face model directory (default: %(default)s)",
+        help="preset name (tiny, small), Hugging Face model directory or .gguf file "
+        "(default: %(default)s)",
     )

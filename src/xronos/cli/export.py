@@ -1,4 +1,4 @@
-"""``xronos export``: a run's result as a PEFT adapter or a merged Hugging Face model."""
+"""``xronos export``: a run's result as a PEFT adapter, a merged HF model or a GGUF file."""
 
 from __future__ import annotations
 
@@ -11,10 +11,24 @@ from xronos.errors import UserError
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("export", help="export a run as a PEFT adapter or a merged HF model")
+    p = sub.add_parser(
+        "export", help="export a run as a PEFT adapter, a merged HF model or a GGUF file"
+    )
     p.add_argument("run_dir", help="run directory (or one of its checkpoints)")
-    p.add_argument("--format", required=True, choices=("peft", "hf"), help="what to write")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--format", required=True, choices=("peft", "hf", "gguf"), help="what to write")
+    p.add_argument(
+        "--out", required=True, help="output directory (gguf: a .gguf file or a directory)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("f16", "q8_0", "f32"),
+        default="f16",
+        help="gguf: storage of the matrices (default: %(default)s)",
+    )
+    p.add_argument(
+        "--base-model",
+        help="the base model (directory or .gguf file) if it moved since training",
+    )
     p.set_defaults(run=run)
 
 
@@ -34,17 +48,23 @@ def checkpoint_of(path: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from xronos.checkpoint import read_checkpoint_meta
-    from xronos.data import resolve_tokenizer
-    from xronos.export import export_hf, export_peft
+    from xronos.export import export_gguf, export_hf, export_peft
+    from xronos.model.gguf_resolve import resolve_tokenizer
 
     ckpt = checkpoint_of(args.run_dir)
     extra = read_checkpoint_meta(ckpt).get("extra", {})
     model = extra.get("model", {})
-    base = model.get("dir") or model.get("preset")
+    base_dir = args.base_model or model.get("dir")
+    base = base_dir or model.get("preset")
     if args.format == "peft":
         out = export_peft(ckpt, args.out, base_model=base)
-    else:
+    elif args.format == "hf":
         tok = resolve_tokenizer(base) if base else None
-        out = export_hf(ckpt, args.out, base_model_dir=model.get("dir"), tokenizer=tok)
+        out = export_hf(ckpt, args.out, base_model_dir=base_dir, tokenizer=tok)
+    else:
+        if not base:
+            raise UserError(f"{ckpt}: the checkpoint does not name its base model's tokenizer")
+        tok = resolve_tokenizer(base)
+        out = export_gguf(ckpt, args.out, tokenizer=tok, base_model=base_dir, dtype=args.dtype)
     print(json.dumps({"checkpoint": str(ckpt), "format": args.format, "out": str(out)}))
     return 0

@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         base = saved_config(flags["resume"]) | base
     cfg = build_config(base, flags)
     prep = resume_job(cfg) if cfg.resume else prepare(cfg)
+    cfg = prep.cfg  # with the default model and its settings filled in
     for line in prep.notes:
         print(line)
     print(

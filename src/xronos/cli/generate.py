@@ -9,8 +9,9 @@ from typing import Any
 from xronos.cli.common import add_model_arg, parse_shares
 from xronos.comm.launch import WorkerContext, launch
 from xronos.comm.mappings import TPGroup
-from xronos.data import check_vocab, encode_chat, encode_prompt, resolve_tokenizer
+from xronos.data import check_vocab, encode_chat, encode_prompt
 from xronos.errors import UserError
+from xronos.model.gguf_resolve import resolve_tokenizer
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import Plan
 from xronos.run.generate import GenerateJob, generate_worker
@@ -39,7 +40,7 @@ def register(sub: Any) -> None:
 
 def run_source(model: str, seed: int) -> tuple[ModelSource, str | None, str]:
     """(weights source, checkpoint or None, base model name) for a preset, a Hugging Face
-    directory, or a run directory of ``xronos finetune`` (its latest checkpoint)."""
+    directory, a GGUF file, or a run directory of ``xronos finetune`` (its latest checkpoint)."""
     path = Path(model)
     if not (path / "checkpoints").is_dir() and not (path / "COMPLETE").is_file():
         return ModelSource.from_name(model, seed), None, model

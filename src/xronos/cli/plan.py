@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
+from xronos.config import ModelConfig
 from xronos.errors import UserError
 from xronos.planner import plan_even, plan_pipeline, plan_tp, predict
-from xronos.planner.profile import load_profiles
+from xronos.planner.auto import plan_auto
+from xronos.planner.profile import DeviceProfile, load_profiles
 from xronos.train.source import ModelSource
 from xronos.utils import atomic_write_text
 
@@ -20,8 +23,16 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--strategy",
         default="xronos",
-        choices=("xronos", "tp-even", "pp"),
-        help="xronos (default), Megatron's even split, or the pipeline stage plan",
+        choices=("xronos", "tp-even", "pp", "auto"),
+        help="xronos (default), Megatron's even split, the pipeline stage plan, or auto: "
+        "every strategy predicted (communication included) and the fastest chosen",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="accumulation batches per optimizer step (auto: pipelines cut them into "
+        "micro-batches)",
     )
     p.add_argument("--out", help="write the plan as JSON here")
     p.set_defaults(run=run)
@@ -34,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{args.profile} does not name its model; pass --model")
     cfg = ModelSource.from_name(model).cfg
     chunks = {"mlp_chunk": meta.get("mlp_chunk"), "vocab_chunk": meta.get("vocab_chunk")}
-    if args.strategy == "pp":
+    if args.strategy == "auto":
+        text = _auto(args, cfg, profiles, meta, chunks)
+    elif args.strategy == "pp":
         from xronos.pipeline.costs import pipeline_microbatches, stage_costs
 
         m = pipeline_microbatches(int(meta.get("batch_size", 1)), len(profiles), None)
@@ -58,3 +71,34 @@ def run(args: argparse.Namespace) -> int:
         atomic_write_text(Path(args.out), text)
         print(f"wrote {args.out}")
     return 0
+
+
+def _auto(
+    args: argparse.Namespace,
+    cfg: ModelConfig,
+    profiles: list[DeviceProfile],
+    meta: dict[str, Any],
+    chunks: dict[str, Any],
+) -> str:
+    """Print every candidate; the chosen plan's JSON (every candidate's next to ``--out``)."""
+    if "batch_size" not in meta or "seq_len" not in meta:
+        raise UserError(f"{args.profile} does not record its batch shape; re-run `xronos profile`")
+    if args.grad_accum < 1:
+        raise UserError(f"--grad-accum {args.grad_accum}: must be at least 1")
+    choice = plan_auto(
+        cfg,
+        profiles,
+        batch_size=int(meta["batch_size"]),
+        seq_len=int(meta["seq_len"]),
+        grad_accum=args.grad_accum,
+        **chunks,
+    )
+    best = choice.chosen
+    print(choice.table())
+    print(f"chosen: {best.strategy}, predicted {best.predicted_step_s:.4f} s per step")
+    if args.out:
+        out = Path(args.out)
+        every = out.with_name(out.stem + ".candidates.json")
+        atomic_write_text(every, json.dumps(choice.to_dict(), indent=2))
+        print(f"wrote {every}")
+    return json.dumps(best.plan.to_dict() if best.plan is not None else {}, indent=2)

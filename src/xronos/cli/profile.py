@@ -15,7 +15,7 @@ from xronos.planner.plan import default_mlp_chunk, default_vocab_chunk
 from xronos.planner.profile import DeviceProfile, save_profiles
 from xronos.profiler.measure import Shape
 from xronos.profiler.run import load_cached, profile_key, profile_worker, store_cached
-from xronos.run.launch import run_on_cluster
+from xronos.run.launch import DEFAULT_CPU_PERIOD_US, measurement_context, run_on_cluster
 from xronos.train.source import ModelSource
 
 
@@ -49,7 +49,10 @@ def shape_for(model: str, batch_size: int, seq_len: int, lora_rank: int) -> Shap
 def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     shape = shape_for(args.model, args.batch_size, args.seq_len, args.lora_rank)
-    keys = [profile_key(d.to_dict(), shape) for d in cluster.devices]
+    context = measurement_context(
+        cluster, emulate=not args.no_emulation, cpu_period_us=DEFAULT_CPU_PERIOD_US
+    )
+    keys = [profile_key(c, shape) for c in context]
     t0 = time.perf_counter()
     profiles = None if args.no_cache else load_cached(keys)
     cached = profiles is not None

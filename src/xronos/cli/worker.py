@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import socket
 from dataclasses import replace
 from typing import Any
@@ -36,7 +37,7 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="TOML file with the finetune options ([finetune] table)")
-    add_config_flags(p, skip=("cluster", "emulate", "resume"))
+    add_config_flags(p, skip=("cluster", "emulate", "resume", "network", "bandwidth", "latency"))
     p.set_defaults(run=run)
 
 
@@ -48,6 +49,29 @@ class _Direct:
 
     def put(self, item: tuple[str, int, dict[str, Any]]) -> None:
         self.monitor.on_event(item[1], item[2])
+
+
+def device_names(asked: list[tuple[str, bool]]) -> list[str]:
+    """Every rank's device name, unique without configuration.
+
+    ``asked`` is each rank's ``(name, explicit)``: ``XRONOS_DEVICE`` (explicit: kept as
+    given, a duplicate is the user's to fix) or host name + local rank (every Raspberry Pi
+    is called ``raspberrypi``: characters a device name cannot hold become ``-``, and a
+    name several ranks share gets ``-2``, ``-3``, … on its later holders, in rank order).
+    """
+    out: list[str] = []
+    for name, explicit in asked:
+        if explicit:
+            out.append(name)
+            continue
+        base = re.sub(r"[^A-Za-z0-9_-]", "-", name).strip("-")[:28] or "device"
+        taken = {n for n in out} | {n for n, e in asked if e}
+        candidate, k = base, 1
+        while candidate in taken:
+            k += 1
+            candidate = f"{base}-{k}"
+        out.append(candidate)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,11 +95,12 @@ def run(args: argparse.Namespace) -> int:
         "gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout
     )
     try:
-        me = os.environ.get("XRONOS_DEVICE") or (
-            f"{socket.gethostname()}-{os.environ.get('LOCAL_RANK', '0')}"
-        )
-        names: list[Any] = [None] * world
-        dist.all_gather_object(names, me)
+        explicit = os.environ.get("XRONOS_DEVICE")
+        mine = explicit or f"{socket.gethostname()}-{os.environ.get('LOCAL_RANK', '0')}"
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (mine, explicit is not None))
+        names = device_names(gathered)
+        me = names[rank]
         threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or (os.cpu_count() or 1)
         cluster = ClusterSpec(
             name="torchrun", devices=tuple(DeviceSpec(name=n, cores=threads) for n in names)
@@ -95,8 +120,10 @@ def run(args: argparse.Namespace) -> int:
         if monitor is not None:
             print(monitor.finish(result.step))
         # Tear down together: a rank that destroys its process group while another still
-        # writes the run's outputs can abort at exit inside gloo's transport threads.
-        dist.barrier()
+        # writes the run's outputs can abort at exit inside gloo's transport threads. (A
+        # device that auto left out has already gone: then the trainers do not wait for it.)
+        if len(result.members) == world:
+            dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0

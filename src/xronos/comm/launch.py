@@ -1,9 +1,12 @@
-"""Local launcher: one process per device, a gloo process group on loopback.
+"""Local launcher: one process per device, a gloo process group on loopback (or on the
+emulated network's bridge).
 
 The parent process owns the rendezvous: a c10d ``TCPStore`` built on a socket that the
-parent has already bound to ``127.0.0.1`` (TCPStore alone would listen on every
-interface). Each worker joins its device's resource limits first (``slot.enter()``),
-then the store, then the gloo group, with explicit timeouts on every collective.
+parent has already bound to ``127.0.0.1``, or to the bridge address when devices live in
+network namespaces (TCPStore alone would listen on every interface). Each worker joins
+its device's resource limits first (``slot.enter()``), then the store, then the gloo group,
+with explicit timeouts on every collective; a worker given link latencies carries them in
+its group (``TPGroup.links``, :mod:`xronos.comm.links`).
 
 The parent watches the workers: the first one to fail -- an exception, a non-zero exit,
 a signal -- stops all the others, and the error names that device and the cause. A
@@ -28,6 +31,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from xronos.comm.links import LinkDelays
 from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError, WorkerError
 
@@ -68,16 +72,22 @@ def _bound_loopback_socket(host: str) -> socket.socket:
 
 
 def init_gloo(
-    rank: int, world_size: int, host: str, port: int, timeout_s: float, ifname: str | None = "lo"
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    timeout_s: float,
+    ifname: str | None = "lo",
+    links: LinkDelays | None = None,
 ) -> TPGroup:
     """Join the store at ``host:port`` and create the gloo group (every collective is
-    bounded by ``timeout_s``)."""
+    bounded by ``timeout_s``; ``links`` adds each rank's link latency to its messages)."""
     if ifname:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-    return TPGroup.from_default()
+    return TPGroup.from_default(links)
 
 
 def _worker_main(
@@ -90,6 +100,7 @@ def _worker_main(
     results: Any,
     slot: Slot | None,
     timeout_s: float,
+    latency_s: tuple[float, ...] | None = None,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     world = len(devices)
@@ -97,7 +108,10 @@ def _worker_main(
         if slot is not None:
             slot.enter()
         _warm_imports()
-        group = init_gloo(rank, world, host, port, timeout_s) if world > 1 else TPGroup()
+        links = LinkDelays(latency_s) if latency_s and any(latency_s) else None
+        group = (
+            init_gloo(rank, world, host, port, timeout_s, links=links) if world > 1 else TPGroup()
+        )
         ctx = WorkerContext(rank, world, devices[rank], group, timeout_s, devices, results)
         # Pickled by value here: torch's queue reducers would pass tensors by shared file
         # descriptor, which is gone once this process exits.
@@ -140,6 +154,7 @@ def launch(
     on_start: Callable[[int, int], None] | None = None,
     on_event: Callable[[int, dict[str, Any]], None] | None = None,
     stop_signal: int | None = None,
+    latency_s: Sequence[float] | None = None,
 ) -> list[Any]:
     """Run ``fn(ctx, args[rank])`` in one process per device and return the results.
 
@@ -155,12 +170,17 @@ def launch(
         stop_signal: on the first Ctrl-C, send this signal to every worker and keep
             collecting (workers that handle it stop cleanly, e.g. after a checkpoint); a
             second Ctrl-C stops them at once. None: the first Ctrl-C stops them at once.
+        latency_s: one-way latency of each device's link, rank order, added to every
+            message in the communication layer (:mod:`xronos.comm.links`); None: none.
     Raises:
         UserError: a worker found a mistake in the user's input.
         WorkerError: a worker failed or died; the message names its device.
     """
     devices = tuple(devices)
     world = len(devices)
+    latencies = tuple(float(x) for x in latency_s) if latency_s is not None else None
+    if latencies is not None and len(latencies) != world:
+        raise ValueError(f"{len(latencies)} link latencies for {world} devices")
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     sock = _bound_loopback_socket(host)
@@ -180,7 +200,18 @@ def launch(
             slot = slots[rank] if slots is not None else None
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, devices, host, port, fn, args[rank], results, slot, timeout_s),
+                args=(
+                    rank,
+                    devices,
+                    host,
+                    port,
+                    fn,
+                    args[rank],
+                    results,
+                    slot,
+                    timeout_s,
+                    latencies,
+                ),
                 name=f"xronos-{devices[rank]}",
                 daemon=False,
             )

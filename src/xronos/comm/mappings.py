@@ -10,17 +10,19 @@ Shape algebra (``R`` ranks, hidden ``H``, tokens ``N = B·S``)::
 ``copy_to_tp`` sits before a column-parallel input, ``reduce_from_tp`` after a
 row-parallel output. Both are identities with one rank. Every collective goes through
 ``TPGroup.all_reduce`` so that it is timed (arrive/leave, DESIGN §6) and bounded by the
-group's timeout.
+group's timeout. A group with ``links`` adds its links' latency to every all-reduce and
+all-gather (the model is in :mod:`xronos.comm.links`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from xronos.comm.links import LinkDelays
 from xronos.metrics.recorder import current_recorder
 from xronos.metrics.records import COLLECTIVE
 
@@ -36,16 +38,55 @@ class TPGroup:
     """False for a stand-in (:meth:`silent`) whose collectives are recorded but move no
     data: a model built on it runs a step's compute alone, for the computation-stall
     measurement. Its results are wrong by design; it never trains anything that is kept."""
+    links: LinkDelays | None = None
+    """Latency of each device's link by global rank, added to every message (None: none)."""
+    payload: torch.dtype | None = None
+    """Dtype the activations and their gradients travel in through the seams
+    (:func:`reduce_activation`); None: their own (fp32, exact). bf16 halves the bytes on
+    the wire and rounds each rank's partial sum to 8 bits of mantissa before adding."""
 
     @classmethod
-    def from_default(cls) -> TPGroup:
+    def from_default(cls, links: LinkDelays | None = None) -> TPGroup:
         if not dist.is_initialized():
             return cls()
-        return cls(rank=dist.get_rank(), size=dist.get_world_size(), pg=dist.group.WORLD)
+        world = dist.get_world_size()
+        if links is not None and links.world != world:
+            raise ValueError(f"{links.world} link latencies for a group of {world} ranks")
+        return cls(dist.get_rank(), world, dist.group.WORLD, links=links)
 
     def silent(self) -> TPGroup:
         """The same rank and size, without communication (see ``communicate``)."""
-        return TPGroup(self.rank, self.size, None, communicate=False)
+        return replace(self, pg=None, communicate=False, links=None)
+
+    def on(self, pg: dist.ProcessGroup) -> TPGroup:
+        """The same ranks and links on another process group over them."""
+        return replace(self, pg=pg)
+
+    def delays(self) -> LinkDelays | None:
+        """The latencies of this group's members, in group-rank order, that its collectives
+        wait for; None when nothing waits (no latency, or a silent group). ``links`` is
+        indexed by global rank (the launcher's device order), so it serves subgroups too."""
+        links = self.links
+        if links is None or not self.communicate or not links.active:
+            return None
+        if links.world == self.size:
+            return links
+        return links.among(dist.get_process_group_ranks(self.pg))
+
+    def link_wait(self, t: torch.Tensor, collective: str) -> None:
+        """Wait the latency the links add to one ``all_reduce`` or ``all_gather`` of ``t``
+        (this rank's input); nothing without latency. Call it right after the collective,
+        inside its timed region."""
+        links = self.delays()
+        if links is None:
+            return
+        nbytes = t.numel() * t.element_size()
+        if collective == "all_reduce":
+            links.wait(links.allreduce_delay(self.rank, nbytes, t.element_size()))
+        elif collective == "all_gather":
+            links.wait(links.allgather_delay(self.rank, nbytes))
+        else:
+            raise ValueError(f"no latency model for {collective!r}")
 
     def all_reduce(
         self, t: torch.Tensor, name: str, op: Any = dist.ReduceOp.SUM, kind: str = COLLECTIVE
@@ -57,6 +98,7 @@ class TPGroup:
         with current_recorder().collective(name, kind):
             if self.communicate:
                 dist.all_reduce(t, op=op, group=self.pg)
+            self.link_wait(t, "all_reduce")
 
     def barrier(self) -> None:
         """Wait for every rank (bounded by the group's timeout; not recorded)."""
@@ -81,7 +123,20 @@ class TPGroup:
                 out = [t.clone() for _ in range(self.size)]
             else:
                 dist.all_gather(out, t.contiguous(), group=self.pg)
+            self.link_wait(t, "all_gather")
         return out
+
+
+def reduce_activation(t: torch.Tensor, group: TPGroup, name: str, kind: str) -> torch.Tensor:
+    """All-reduce (sum) of an activation or its gradient ``t`` (N, H) at the seams: in
+    ``group.payload`` on the wire when set, the result back in ``t``'s dtype."""
+    if group.payload is None or group.payload == t.dtype:
+        y = t.contiguous().clone()
+        group.all_reduce(y, name, kind=kind)
+        return y
+    y = t.to(group.payload).contiguous()
+    group.all_reduce(y, name, kind=kind)
+    return y.to(t.dtype)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -94,9 +149,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
-        dy = dy.contiguous().clone()
-        ctx.group.all_reduce(dy, ctx.name + ".bwd", kind=ctx.kind)
-        return dy, None, None, None
+        return reduce_activation(dy, ctx.group, ctx.name + ".bwd", ctx.kind), None, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -104,9 +157,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: TPGroup, name: str, kind: str) -> torch.Tensor:  # type: ignore[override]
-        y = x.contiguous().clone()
-        group.all_reduce(y, name + ".fwd", kind=kind)
-        return y
+        return reduce_activation(x, group, name + ".fwd", kind)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]

@@ -24,7 +24,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,28 @@ class ClusterSpec:
     def world_size(self) -> int:
         return len(self.devices)
 
+    @property
+    def has_links(self) -> bool:
+        """True when some device declares a bandwidth or a latency for its link."""
+        return any(d.bandwidth_bps is not None or d.latency_s for d in self.devices)
+
+    def with_link(self, bandwidth_bps: float | None, latency_s: float | None) -> ClusterSpec:
+        """The same cluster with every device on this link (``--bandwidth``/``--latency``).
+
+        A None argument keeps each device's own value for that quantity, so ``--latency``
+        alone adds a delay to the links a spec declares without changing their rates.
+        Raises :class:`UserError` for values no link can have (see :class:`DeviceSpec`).
+        """
+        devices = tuple(
+            replace(
+                d,
+                bandwidth_bps=d.bandwidth_bps if bandwidth_bps is None else bandwidth_bps,
+                latency_s=d.latency_s if latency_s is None else latency_s,
+            )
+            for d in self.devices
+        )
+        return ClusterSpec(self.name, devices)
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "devices": [d.to_dict() for d in self.devices]}
 
@@ -131,6 +153,62 @@ class ClusterSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterSpec:
         """Inverse of :meth:`to_dict` (base units: bytes, bit/s, seconds)."""
         return cls(str(data["name"]), tuple(DeviceSpec(**d) for d in data["devices"]))
+
+
+def link_from_flags(
+    bandwidth: str | None, latency: str | None
+) -> tuple[float | None, float | None]:
+    """``--bandwidth RATE`` and ``--latency T`` (the cluster TOML's units) in bit/s and
+    seconds, for :meth:`ClusterSpec.with_link`; None where a flag was not given.
+
+    Raises:
+        UserError: one line naming the flag, the value and the accepted forms.
+    """
+    rate = delay = None
+    try:
+        if bandwidth is not None:
+            rate = parse_bandwidth(bandwidth)
+        if latency is not None:
+            delay = parse_duration(latency)
+    except ValueError as e:
+        flag = "--latency" if rate is not None or bandwidth is None else "--bandwidth"
+        raise UserError(f"{flag}: {e}") from None
+    if rate is not None and rate < 1000:
+        raise UserError(f"--bandwidth {bandwidth}: below 1kbit/s; give e.g. 200Mbit or 1Gbit")
+    if delay is not None and not 0 <= delay <= 10:
+        raise UserError(f"--latency {latency}: outside [0, 10 s]; give e.g. 2ms")
+    return rate, delay
+
+
+@dataclass(frozen=True)
+class LinkRequest:
+    """What ``--network/--no-network``, ``--bandwidth`` and ``--latency`` ask for."""
+
+    network: bool | None
+    """True: emulate the links or stop with an error; None: emulate the links a cluster
+    declares where possible; False: loopback."""
+    bandwidth_bps: float | None = None
+    latency_s: float | None = None
+
+    @classmethod
+    def from_flags(
+        cls, network: bool | None, bandwidth: str | None, latency: str | None
+    ) -> LinkRequest:
+        """Parse and check the flags; raises a one-line :class:`UserError`."""
+        given = bandwidth is not None or latency is not None
+        if network is False and given:
+            raise UserError(
+                "--bandwidth/--latency give every device a link and --no-network switches "
+                "links off; drop one of them"
+            )
+        rate, delay = link_from_flags(bandwidth, latency)
+        return cls(True if given else network, rate, delay)
+
+    def apply(self, cluster: ClusterSpec) -> ClusterSpec:
+        """``cluster`` with every device on the requested link (unchanged if none given)."""
+        if self.bandwidth_bps is None and self.latency_s is None:
+            return cluster
+        return cluster.with_link(self.bandwidth_bps, self.latency_s)
 
 
 # ----------------------------------------------------------------------------- TOML

@@ -56,7 +56,12 @@ class Emulator:
     Args:
         cluster: the devices; device ``i`` is rank ``i``.
         run_id: names the run's cgroups ``xronos-<run_id>-<device>``.
-        network: also give each device a network namespace with a shaped link.
+        network: also give each device a network namespace with a shaped link (rate by
+            ``tc tbf``; latency by ``netem`` where the kernel has it, else by the
+            communication layer: :meth:`comm_latencies`). Where namespaces cannot be made,
+            the report says the links are not emulated and the run goes on over loopback.
+        require_network: with ``network``, raise a one-line :class:`UserError` instead
+            when namespaces cannot be made (the user asked for the links explicitly).
         mechanism: ``auto`` (cgroups where writable, else duty-cycle), ``cgroup`` (fail
             with a UserError if cgroups cannot be used), ``duty-cycle`` (force the fallback)
             or ``none`` (CPU sets only, no quota).
@@ -76,6 +81,7 @@ class Emulator:
         run_id: str,
         *,
         network: bool = False,
+        require_network: bool = False,
         mechanism: Mechanism = "auto",
         period_us: int = 10_000,
         state_dir: str | os.PathLike[str] | None = None,
@@ -94,6 +100,7 @@ class Emulator:
         self.cluster = cluster
         self.run_id = run_id
         self.network = network
+        self.require_network = require_network
         self.mechanism: Mechanism = mechanism
         self.period_us = period_us
         self.check_speed = check_speed
@@ -108,6 +115,8 @@ class Emulator:
         """Per rank: ``cgroup v1``, ``cgroup v2``, ``duty-cycle`` or ``none``."""
         self.net: netns.NetworkPlan | None = None
         self.net_notes: list[str] = []
+        self.netem = False
+        """Whether the kernel delays packets (netem); else latency is the comm layer's."""
         self.bridge_ip: str | None = None
         """Address in the root namespace that devices reach (None without network)."""
         self.notes: dict[str, str] = {}
@@ -258,18 +267,27 @@ class Emulator:
     def _setup_network(self) -> None:
         try:
             plan = netns.plan_network(self.run_id, self.cluster.world_size)
+            assert self._state is not None
+            self._state.namespaces, self._state.links = plan.namespaces, plan.links
+            self._save_state()
+            self.netem = netns.setup_network(plan, self.cluster.devices)
         except netns.NetworkUnavailable as e:
-            self.notes["network"] = str(e)
-            return
-        assert self._state is not None
-        self._state.namespaces, self._state.links = plan.namespaces, plan.links
-        self._save_state()
-        try:
-            self.net_notes = netns.setup_network(plan, self.cluster.devices)
-        except netns.NetworkUnavailable as e:
+            if self.require_network:
+                raise UserError(
+                    f"network emulation: {e}; run as root with iproute2 (`ip`, `tc`), "
+                    "or pass --no-network to run the devices over loopback"
+                ) from None
             self.notes["network"] = str(e)
             return
         self.net, self.bridge_ip = plan, plan.bridge_ip
+
+    def comm_latencies(self) -> tuple[float, ...] | None:
+        """Per rank, the latency (s) the communication layer adds: declared latencies where
+        namespaces are up without netem; else None (nothing to add there)."""
+        devices = self.cluster.devices
+        if self.net is None or self.netem or not any(d.latency_s for d in devices):
+            return None
+        return tuple(d.latency_s or 0.0 for d in devices)
 
     # ------------------------------------------------------------------ workers
 
@@ -375,6 +393,7 @@ class Emulator:
                 net=self.net,
                 bridge_ip=self.bridge_ip,
                 net_notes=tuple(self.net_notes),
+                netem=self.netem,
                 speeds=tuple(self.speeds),
             )
         )

@@ -13,8 +13,12 @@ Each device gets its own namespace and a veth pair into a bridge in the root nam
 rendezvous store can listen on the bridge's address. A device's ``bandwidth`` and
 ``latency`` shape both directions of its link (``tbf`` for the rate, ``netem`` for the
 delay): traffic from device A to device B crosses A's uplink and B's downlink, like two
-machines on one switch. The /24 is picked per run among ``10.213.0.0/16`` subnets that are not
-in use on the host, and only traffic between these namespaces and the bridge is touched.
+machines on one switch. Where the kernel has no ``netem`` qdisc (``tc qdisc add ... netem``
+fails), only the rate is shaped here and :func:`setup_network` says so; the launcher then
+adds the latency in the communication layer (:mod:`xronos.comm.links`), which charges
+every message ``l_A + l_B`` one way — the same model. The /24 is picked per run among
+``10.213.0.0/16`` subnets that are not in use on the host, and only traffic between these
+namespaces and the bridge is touched.
 """
 
 from __future__ import annotations
@@ -141,16 +145,16 @@ def _netem_available(prefix: list[str], dev: str) -> bool:
     return True
 
 
-def setup_network(plan: NetworkPlan, devices: tuple[DeviceSpec, ...]) -> list[str]:
-    """Create the bridge, namespaces, veths, addresses and shaping. Returns what could not be
-    emulated (latency without netem); on failure removes what it made and raises
-    :class:`NetworkUnavailable`."""
-    notes: list[str] = []
+def setup_network(plan: NetworkPlan, devices: tuple[DeviceSpec, ...]) -> bool:
+    """Create the bridge, namespaces, veths, addresses and shaping. Returns whether the
+    kernel delays packets (netem); False where some device declares a latency and the kernel
+    has no netem (the caller then adds latency elsewhere) or where none declares one. On
+    failure removes what it made and raises :class:`NetworkUnavailable`."""
+    netem = any(d.latency_s for d in devices)
     try:
         _run("ip", "link", "add", plan.bridge, "type", "bridge")
         _run("ip", "addr", "add", f"{plan.bridge_ip}/24", "dev", plan.bridge)
         _run("ip", "link", "set", plan.bridge, "up")
-        netem = True
         for i, device in enumerate(devices):
             ns, host = plan.namespace(i), plan.host_veth(i)
             _run("ip", "netns", "add", ns)
@@ -159,15 +163,14 @@ def setup_network(plan: NetworkPlan, devices: tuple[DeviceSpec, ...]) -> list[st
             _run("ip", "-n", ns, "addr", "add", f"{plan.ip(i)}/24", "dev", IFNAME)
             _run("ip", "-n", ns, "link", "set", IFNAME, "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-            if device.latency_s and netem and not _netem_available(["tc"], host):
-                netem = False
-                notes.append("latency: not emulated (this kernel has no netem qdisc)")
+            if i == 0 and netem:
+                netem = _netem_available(["tc"], host)
             _shape(["tc", "-n", ns], IFNAME, device, netem)  # the device's uplink
             _shape(["tc"], host, device, netem)  # and its downlink
     except NetworkUnavailable:
         teardown_network(plan.namespaces, plan.links)
         raise
-    return notes
+    return netem
 
 
 def _namespace_pids(ns: str) -> list[int]:

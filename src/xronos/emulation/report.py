@@ -1,11 +1,14 @@
 """The lines an emulator shows the user: which mechanism emulates what (and why a fallback is
-in force), each device's limits, what each device's speed measured, and which devices share
-host CPUs. It works on plain data (:class:`ReportInput`), not on the emulator itself."""
+in force), each device's limits and the link in force (``link: 1 Gbit/s, 2 ms (tbf +
+latency in the communication layer)``, or ``link: not emulated``), what each device's speed
+measured, and which devices share host CPUs. It works on plain data (:class:`ReportInput`),
+not on the emulator itself."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from xronos.emulation.cgroups import Group
 from xronos.emulation.cluster import ClusterSpec
@@ -37,6 +40,8 @@ class ReportInput:
     bridge_ip: str | None
     net_notes: Sequence[str]
     speeds: Sequence[SpeedCheck] = ()
+    netem: bool = False
+    """The kernel delays packets (netem); else latency is added in the communication layer."""
 
 
 def _periods(emu: ReportInput) -> str:
@@ -93,10 +98,10 @@ def emulator_report(emu: ReportInput) -> list[str]:
     elif emu.net is None:
         lines.append(f"network: not emulated ({emu.notes.get('network', 'unavailable')})")
     else:
-        shaping = "tbf" if emu.net_notes else "tbf/netem"
+        latency = "tc netem" if emu.netem else "the communication layer (this kernel has no netem)"
         lines.append(
-            f"network: namespaces + veth + bridge {emu.net.bridge} ({emu.bridge_ip}), "
-            f"tc {shaping} shaping"
+            f"network: namespaces + veth + bridge {emu.net.bridge} ({emu.bridge_ip}); "
+            f"bandwidth by tc tbf, latency by {latency}"
         )
         lines += [f"network: {note}" for note in emu.net_notes]
     lines += [_device_line(emu, r) for r in range(len(devices))]
@@ -117,12 +122,30 @@ def _device_line(emu: ReportInput, rank: int) -> str:
     if d.memory_bytes is not None:
         parts.append(f"memory {format_bytes(d.memory_bytes)}")
     if emu.net is not None:
-        link = [format_bandwidth(d.bandwidth_bps)] if d.bandwidth_bps else []
-        if d.latency_s:
-            late = format_duration(d.latency_s)
-            link.append(f"{late} (not emulated)" if emu.net_notes else late)
-        parts.append(f"ip {emu.net.ip(rank)}" + (f", link {' '.join(link)}" if link else ""))
+        parts.append(f"ip {emu.net.ip(rank)}")
+    link = link_text(d.bandwidth_bps, d.latency_s, emulated=emu.net is not None, netem=emu.netem)
+    if link:
+        parts.append(f"link: {link}")
     return ", ".join(parts)
+
+
+def link_text(
+    bandwidth_bps: float | None, latency_s: float | None, *, emulated: bool, netem: bool
+) -> str:
+    """One device's link as the report states it: ``1 Gbit/s, 2 ms (tbf + latency in the
+    communication layer)``; ``not emulated (declared …)`` when the network is not
+    emulated; ``unshaped`` on an emulated network for a device that declares nothing; the
+    empty string when there is neither a network nor a declared link."""
+    words = [format_bandwidth(bandwidth_bps)] if bandwidth_bps else []
+    words += [format_duration(latency_s)] if latency_s else []
+    if not emulated:
+        return f"not emulated (declared {', '.join(words)})" if words else ""
+    if not words:
+        return "unshaped"
+    how = ["tbf"] if bandwidth_bps else []
+    if latency_s:
+        how.append("netem" if netem else "latency in the communication layer")
+    return f"{', '.join(words)} ({' + '.join(how)})"
 
 
 def _sharing_lines(emu: ReportInput) -> list[str]:
@@ -139,3 +162,25 @@ def _sharing_lines(emu: ReportInput) -> list[str]:
         verdict = "fits" if load <= 1.0 + 1e-9 else "they contend and run slower than specified"
         lines.append(f"cores shared: cpu {cpu} by {names} ({load:.2f} of it requested: {verdict})")
     return lines
+
+
+def links_in_force(cluster: ClusterSpec, emulated: bool, netem: bool) -> list[dict[str, Any]]:
+    """Per device, the link a run had: declared rate and latency, whether they were
+    emulated, what delayed the packets, and the report's wording (for ``bench.json``)."""
+    out = []
+    for d in cluster.devices:
+        latency_by = None
+        if emulated and d.latency_s:
+            latency_by = "netem" if netem else "communication layer"
+        text = link_text(d.bandwidth_bps, d.latency_s, emulated=emulated, netem=netem)
+        out.append(
+            {
+                "name": d.name,
+                "bandwidth_bps": d.bandwidth_bps,
+                "latency_s": d.latency_s,
+                "emulated": emulated,
+                "latency_by": latency_by,
+                "link": text or "loopback",
+            }
+        )
+    return out

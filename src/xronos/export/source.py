@@ -25,9 +25,15 @@ def model_info(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def source_dir(meta: dict[str, Any], override: str | os.PathLike[str] | None) -> Path | None:
-    """The base model directory: ``override`` if given, else the one the run recorded."""
+    """The base model (a directory or a GGUF file): ``override`` if given, else the one the
+    run recorded."""
     where = override if override is not None else model_info(meta).get("dir")
     return None if where is None else Path(where)
+
+
+def _is_model(path: Path) -> bool:
+    """A Hugging Face directory (with ``config.json``) or a GGUF file."""
+    return (path / "config.json").is_file() or (path.is_file() and path.suffix == ".gguf")
 
 
 def restore_full_model(
@@ -45,12 +51,12 @@ def restore_full_model(
         if model_dir is None and "seed" not in model_info(meta):
             raise UserError(
                 f"checkpoint {ckpt_dir} does not record its base model; pass the base "
-                "model directory (--base-model DIR)"
+                "model (--base-model DIR or FILE.gguf)"
             )
-        if model_dir is not None and not (model_dir / "config.json").is_file():
+        if model_dir is not None and not _is_model(model_dir):
             raise UserError(
                 f"base model {model_dir} of checkpoint {ckpt_dir} not found; pass the base "
-                "model directory (--base-model DIR)"
+                "model (--base-model DIR or FILE.gguf)"
             )
     dtype = getattr(torch, (meta.get("base") or {}).get("dtype", "float32"))
     plan, group = Plan.single(cfg), TPGroup()

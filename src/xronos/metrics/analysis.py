@@ -378,13 +378,14 @@ def efficiency(ideal_s: float, measured_s: float) -> float:
     return ideal_s / measured_s
 
 
-def ideal_step_time(solo_step_times_s: Sequence[float], transfer_s: float = 0.0) -> float:
-    """The limit ``1 / Σ_i (1 / T_i^solo) + transfer`` (DESIGN §6).
+def ideal_step_time(solo_step_times_s: Sequence[float]) -> float:
+    """The compute bound ``1 / Σ_i (1 / T_i^solo)`` (DESIGN §6): every device busy all the
+    time on its share, nothing moved. No transfer term: no strategy's own communication
+    counts as ideal.
 
     Args:
-        solo_step_times_s: each device's profiled time to run the whole step alone.
-        transfer_s: pure transfer time of the step's communication.
+        solo_step_times_s: each device's measured time to run the whole step alone.
     """
     if not solo_step_times_s or any(t <= 0 for t in solo_step_times_s):
         raise ValueError("solo step times must be a non-empty list of positive seconds")
-    return 1.0 / sum(1.0 / t for t in solo_step_times_s) + transfer_s
+    return 1.0 / sum(1.0 / t for t in solo_step_times_s)

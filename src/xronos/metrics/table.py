@@ -1,7 +1,10 @@
 """The bench comparison as a table: plain text for files and docs, ``rich`` for the console.
 
-``vs tp-even`` is the change in median step time relative to Megatron's even split
-(negative = faster); ratios are shown as percentages; a missing value is ``-``.
+The table leads with the speed-up over ``single`` (the fastest device alone: is
+collaborating worth it at all?); ``vs tp-even`` is the change in median step time relative
+to Megatron's even split (negative = faster); ratios are shown as percentages; a missing
+value is ``-``. ``pred s`` is the planner's prediction of the step (communication
+included), next to the measured median.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from typing import Any
 
 HEADERS = (
     "strategy",
+    "x single",
     "step s",
+    "pred s",
     "vs tp-even",
     "tokens/s",
     "idle mean",
@@ -46,7 +51,9 @@ def bench_rows(bench: Mapping[str, Any]) -> list[list[str]]:
         rows.append(
             [
                 name,
+                _fmt(_num(entry, "speedup_vs_single"), lambda v: f"{v:.2f}x"),
                 _fmt(step, lambda v: f"{v:.3f}"),
+                _fmt(_num(entry, "predicted_step_time_s"), lambda v: f"{v:.3f}"),
                 _fmt(change, lambda v: f"{v:+.1f}%"),
                 _fmt(_num(entry, "tokens_per_s"), lambda v: f"{v:.1f}"),
                 _fmt(_num(entry, "idle_ratio_mean"), lambda v: f"{100 * v:.1f}%"),

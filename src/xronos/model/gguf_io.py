@@ -209,6 +209,8 @@ class GGUFReader:
         hi = shape[dim] if end is None else int(end)
         if not 0 <= lo <= hi <= shape[dim]:
             raise ValueError(f"{name}: range [{lo}, {hi}) out of bounds for {shape} at dim {dim}")
+        if lo == hi:  # a rank holding none of this tensor (no bytes to dequantize)
+            return torch.zeros([*shape[:dim], 0, *shape[dim + 1 :]])
         perm = self._row_index(name, shape[0])
         rows: slice | np.ndarray
         if len(shape) == 1:  # one GGUF row: slice its columns (a permuted bias: gather them)

@@ -12,7 +12,9 @@ Nothing here knows about devices. Tensor parallelism arrives from outside
 * ``exit``  -- identity on one device; ``reduce_from_tp`` (forward all-reduce) when sharded.
 
 and through the *shapes* of the projections: a sharded attention simply has fewer heads
-(``q_proj.out_features // head_dim``), a sharded MLP fewer columns. The forward code reads
+(``q_proj.out_features // head_dim`` query heads, ``k_proj.out_features // head_dim`` KV
+heads, and ``q_offset`` when its first KV group is shared with the rank before), a sharded
+MLP fewer columns. The forward code reads
 the local sizes from the weights and is the same for one device and many.
 """
 
@@ -65,6 +67,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.enter: nn.Module = nn.Identity()
         self.exit: nn.Module = nn.Identity()
+        # Query heads of the first local KV group that precede the first local query head
+        # (held by another rank when a KV group is shared): 0 on one device.
+        self.q_offset = 0
 
     def forward(
         self,
@@ -74,11 +79,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         b, s, _ = x.shape
         d = self.head_dim
-        # Local KV heads: all of them on one device, possibly zero on a sharded one (the
-        # empty projections then yield zeros, and the seams' collectives still run).
-        n_kv = self.k_proj.weight.shape[0] // d
+        # Local heads: all of them on one device; on a sharded one a contiguous range of
+        # query heads and the K/V heads of every group they touch, possibly none (the empty
+        # projections then yield zeros, and the seams' collectives still run).
+        n_q, n_kv = self.q_proj.weight.shape[0] // d, self.k_proj.weight.shape[0] // d
         x = self.enter(x)
-        q = self.q_proj(x).view(b, s, n_kv * self.q_per_kv, d).transpose(1, 2)  # (B, nq, S, d)
+        q = self.q_proj(x).view(b, s, n_q, d).transpose(1, 2)  # (B, nq, S, d)
         k = self.k_proj(x).view(b, s, n_kv, d).transpose(1, 2)  # (B, nkv, S, d)
         v = self.v_proj(x).view(b, s, n_kv, d).transpose(1, 2)  # (B, nkv, S, d)
         if self.q_norm is not None and self.k_norm is not None:
@@ -86,9 +92,20 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, k, *cos_sin)
         if cache is not None:
             k, v = cache.update(self, k, v)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=cache is None or s > 1, enable_gqa=self.q_per_kv > 1
-        )  # (B, nq, S, d)
+        causal = cache is None or s > 1
+        if self.q_offset == 0 and n_q == n_kv * self.q_per_kv:  # whole KV groups
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, enable_gqa=self.q_per_kv > 1
+            )  # (B, nq, S, d)
+        else:  # local query head j reads local KV head (q_offset + j) // q_per_kv
+            kv = torch.div(
+                torch.arange(n_q, device=q.device) + self.q_offset,
+                self.q_per_kv,
+                rounding_mode="floor",
+            )
+            y = F.scaled_dot_product_attention(
+                q, k.index_select(1, kv), v.index_select(1, kv), is_causal=causal
+            )  # (B, nq, S, d)
         y = y.transpose(1, 2).reshape(b, s, -1)
         return self.exit(self.o_proj(y))
 

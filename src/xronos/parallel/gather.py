@@ -1,7 +1,9 @@
 """Reassemble full tensors from the shards that the ranks hold (tests, checkpoints, export).
 
 gloo's ``all_gather`` needs equal shapes on every rank, so each shard is zero-padded to
-the largest shard along its split dim, gathered, then trimmed and concatenated.
+the largest shard along its split dim, gathered, then trimmed and concatenated. K/V rows
+of a KV group that several ranks hold are taken once, from the group's owner (each rank
+contributes only its owned part: :func:`xronos.parallel.spec.owned_part`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from torch import nn
 
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
-from xronos.parallel.spec import shard_spec
+from xronos.parallel.spec import owned_part
 from xronos.planner.plan import Plan
 
 
@@ -36,6 +38,8 @@ def gather_state(
     for name, p in model.named_parameters():
         if trainable_only and not p.requires_grad:
             continue
-        spec = shard_spec(name, cfg, plan, group.rank)
-        out[name] = p.detach().clone() if spec is None else gather_tensor(p, spec.dim, group, name)
+        own, spec = owned_part(p, name, cfg, plan, group.rank)
+        out[name] = (
+            p.detach().clone() if spec is None else gather_tensor(own, spec.dim, group, name)
+        )
     return out

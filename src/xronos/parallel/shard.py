@@ -32,7 +32,8 @@ from torch import nn
 from xronos.comm.mappings import CopyToTP, ReduceFromTP, TPGroup
 from xronos.config import ModelConfig
 from xronos.errors import UserError
-from xronos.model.llama import Block, LlamaForCausalLM
+from xronos.model.gguf_io import GGUFReader
+from xronos.model.llama import Attention, Block, LlamaForCausalLM
 from xronos.model.lora import LoRAConfig, LoRALinear, add_lora, lora_init
 from xronos.model.rope import RotaryEmbedding
 from xronos.model.safetensors_io import SafetensorsReader
@@ -127,7 +128,7 @@ def materialise(
     ``meta``; the preset streams still advance past them."""
     base_gen = torch.Generator().manual_seed(seed)
     lora_gen = torch.Generator().manual_seed(seed + 1)
-    reader = SafetensorsReader(model_dir) if model_dir is not None else None
+    reader = open_reader(model_dir) if model_dir is not None else None
     try:
         for name, p in list(model.named_parameters()):
             spec = shard_spec(name, cfg, plan, rank)
@@ -166,11 +167,16 @@ def apply_pp_stage(
 
 
 def apply_tp(model: LlamaForCausalLM, cfg: ModelConfig, plan: Plan, group: TPGroup) -> None:
-    """Make a materialised shard tensor-parallel over ``group``: LoRA layers learn which
-    input columns they hold, and with more than one rank the seams become Megatron's
+    """Make a materialised shard tensor-parallel over ``group``: attention layers learn
+    where their query heads start within their first KV group, LoRA layers which input
+    columns they hold, and with more than one rank the seams become Megatron's
     conjugate pairs and the LM head (and a tied embedding) vocab-parallel."""
     if cfg.tie_word_embeddings and not isinstance(model.lm_head, Absent):
         model.lm_head.weight = model.model.embed_tokens.weight
+    h0, h1 = plan.bounds("attn", group.rank, cfg.num_heads)
+    for m in model.modules():
+        if isinstance(m, Attention):  # its first query head within its first KV group
+            m.q_offset = h0 % cfg.q_per_kv if h1 > h0 else 0
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
             spec = shard_spec(name + ".weight", cfg, plan, group.rank)
@@ -200,7 +206,8 @@ def build_model(
         cfg: model shape.
         plan: units per device; ``plan.world_size`` must equal ``group.size``.
         group: the tensor-parallel group (size 1 = plain single-device model).
-        model_dir: Hugging Face directory to load from; None = seeded preset weights.
+        model_dir: Hugging Face directory or GGUF file to load from; None = seeded preset
+            weights.
         seed: master-weight seed for presets and the LoRA initialisation seed.
         lora: adapter config; None = full fine-tuning (every parameter trainable).
         dtype: dtype of the base weights (LoRA adapters are always fp32).
@@ -235,7 +242,14 @@ def build_model(
     return model
 
 
-def _read(reader: SafetensorsReader, name: str, spec: ShardSpec | None) -> torch.Tensor:
+def open_reader(path: str | Path) -> SafetensorsReader | GGUFReader:
+    """The reader of a checkpoint: a ``.gguf`` file, else a Hugging Face directory."""
+    return GGUFReader(path) if Path(path).is_file() else SafetensorsReader(path)
+
+
+def _read(
+    reader: SafetensorsReader | GGUFReader, name: str, spec: ShardSpec | None
+) -> torch.Tensor:
     if spec is None:
         return reader.read(name)
     full_len = reader.shape(name)[spec.dim]

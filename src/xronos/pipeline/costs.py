@@ -1,37 +1,26 @@
-"""The pipeline's cost model: per-stage costs from the devices' tensor-parallel profiles."""
+"""The pipeline's cost model: per-stage costs from the devices' tensor-parallel profiles.
+
+The model itself is the planner's (:mod:`xronos.planner.pipesearch`); this is its use for a
+pipeline in rank order.
+"""
 
 from __future__ import annotations
 
 from xronos.config import ModelConfig
 from xronos.planner.pipeline import StageCosts
-from xronos.planner.plan import SEGMENTS, Plan
+from xronos.planner.pipesearch import activation_bytes, device_stages, stage_costs_for
 from xronos.planner.profile import DeviceProfile
 
 
 def stage_costs(
     profiles: list[DeviceProfile], cfg: ModelConfig, microbatches: int
 ) -> list[StageCosts]:
-    """Per-micro-batch stage costs from the TP profiles (costs scale with tokens)."""
-    plan = Plan.single(cfg)
-    units = {s: sum(plan.split(s)) for s in SEGMENTS}
-    layers, m = cfg.num_layers, microbatches
-    out = []
-    for p in profiles:
-        per_layer = (p.segments["attn"](units["attn"]) + p.segments["mlp"](units["mlp"])) / layers
-        ub = p.unit_bytes or {}
-        out.append(
-            StageCosts(
-                name=p.name,
-                layer_s=(per_layer + p.replicated_s / layers) / m,
-                head_s=p.segments["vocab"](units["vocab"]) / m,
-                send_s=p.allreduce_s / m,
-                layer_bytes=(ub.get("attn", 0) * units["attn"] + ub.get("mlp", 0) * units["mlp"])
-                // layers,
-                head_bytes=ub.get("vocab", 0) * units["vocab"],
-                memory_bytes=max(0, p.memory_bytes - p.base_bytes) if p.memory_bytes else 0,
-            )
-        )
-    return out
+    """Per-micro-batch stage costs of the devices in rank order (costs scale with tokens;
+    sends priced by the measured links, or by the old all-reduce figure without them)."""
+    fraction = 1.0 / microbatches
+    return stage_costs_for(
+        device_stages(profiles, cfg), fraction=fraction, act_bytes=activation_bytes(profiles)
+    )
 
 
 def pipeline_microbatches(batch_size: int, stages: int, requested: int | None) -> int:

@@ -69,8 +69,10 @@ class PipelineRunner:
 
     Args:
         source: where the weights come from (preset or checkpoint; LoRA or full).
-        pplan: layer ranges per stage; stage ``j`` runs on rank ``j`` of ``group``.
-        group: the world group (size = number of stages; size 1 = the whole model).
+        pplan: layer ranges per stage.
+        group: the pipeline's group (size = number of stages; size 1 = the whole model).
+        stage_ranks: which rank of ``group`` runs each stage (default: stage ``j`` on
+            rank ``j``); a searched device order puts e.g. the LM head on the fastest.
         opt: AdamW and clipping settings.
         strategy: ``pp-gpipe`` or ``pp-1f1b``.
         timeout_s: bound on every point-to-point wait.
@@ -88,6 +90,7 @@ class PipelineRunner:
         *,
         strategy: str = "pp-1f1b",
         timeout_s: float = 120.0,
+        stage_ranks: Sequence[int] | None = None,
     ) -> None:
         cfg = source.cfg
         if strategy not in STRATEGIES:
@@ -104,7 +107,14 @@ class PipelineRunner:
             )
         self.cfg, self.pplan, self.group, self.opt_cfg = cfg, pplan, group, opt
         self.source, self.timeout_s = source, timeout_s
-        self.stage, self.num_stages = group.rank, group.size
+        order = list(stage_ranks) if stage_ranks is not None else list(range(group.size))
+        if sorted(order) != list(range(group.size)):
+            raise ValueError(f"stage ranks {order} are not a permutation of the group's ranks")
+        self.stage, self.num_stages = order.index(group.rank), group.size
+        # stage -> global rank (torch's point-to-point calls and broadcast take global ranks)
+        self.ranks = [
+            dist.get_global_rank(group.pg, r) if group.pg is not None else r for r in order
+        ]
         self.first, self.last = self.stage == 0, self.stage == self.num_stages - 1
         self.layer_range = pplan.layer_ranges[self.stage]
         self.model = build_model(
@@ -142,11 +152,11 @@ class PipelineRunner:
         self._p2p_group = group
         if group.size > 1:
             pg = dist.new_group(
-                list(range(group.size)),
+                sorted(self.ranks),
                 timeout=datetime.timedelta(seconds=timeout_s),
                 backend="gloo",
             )
-            self._p2p_group = TPGroup(group.rank, group.size, pg)
+            self._p2p_group = group.on(pg)
         self._lora = [m for m in self.model.modules() if isinstance(m, LoRALinear)]
         self._step_rng: list[torch.Tensor] = []
         # Per micro-batch of the last step: (received activations, received gradient).
@@ -160,7 +170,7 @@ class PipelineRunner:
         mbs = split_microbatches(micro_batches, self.pplan.num_microbatches)
         denom = float(max(label_count(mbs), 1))
         self._step_rng = [m.dropout_gen.get_state() for m in self._lora]
-        p2p = P2P(self._p2p_group, self.pplan.devices, self.timeout_s)
+        p2p = P2P(self._p2p_group, self.pplan.devices, self.timeout_s, self.ranks)
         try:
             loss_sum = self._run_schedule(mbs, denom, p2p)
             self._sync_tied(p2p)
@@ -360,7 +370,7 @@ class PipelineRunner:
                 flat = torch.cat([mine[n].reshape(-1).float() for n in names])
             else:
                 flat = torch.empty(numel, dtype=torch.float32)
-            dist.broadcast(flat, src=s, group=self.group.pg)
+            dist.broadcast(flat, src=self.ranks[s], group=self.group.pg)
             for n, part in zip(names, flat.split([shapes[n].numel() for n in names]), strict=True):
                 out[n] = part.view(shapes[n]).clone()
         return out

@@ -28,6 +28,10 @@ Recorded spans:
 * ``drain:stage{j}`` around waiting for this step's sends to complete (a wait with no
   partner: the analysis counts it as idle).
 
+On a group with link latency (:mod:`xronos.comm.links`) a send is handed to gloo
+``l_src + l_dst`` after it was issued, by a timer thread: the stage computes on and the
+receiver cannot have the data any sooner.
+
 Every wait is bounded by ``timeout_s``; a timeout raises an error naming the message and
 the peer stage's device.
 """
@@ -36,6 +40,8 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import NamedTuple
 
 import torch
@@ -129,20 +135,30 @@ class P2P:
     """This stage's in-flight point-to-point messages for one step.
 
     Args:
-        group: the world group; stage ``j`` is rank ``j``.
+        group: the pipeline's group.
         devices: device name per stage (for error messages).
+        timeout_s: bound on every wait.
+        ranks: the global rank that runs each stage (default: stage ``j`` on rank ``j``).
         timeout_s: bound on every wait.
     """
 
-    def __init__(self, group: TPGroup, devices: Sequence[str], timeout_s: float) -> None:
+    def __init__(
+        self,
+        group: TPGroup,
+        devices: Sequence[str],
+        timeout_s: float,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
         self.group, self.devices = group, tuple(devices)
+        # stage -> global rank (torch's point-to-point calls take global ranks)
+        self.ranks = tuple(ranks) if ranks is not None else tuple(range(len(self.devices)))
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._recvs: dict[str, tuple[dist.Work, torch.Tensor, int]] = {}
-        self._sends: list[tuple[str, dist.Work, torch.Tensor, int]] = []
+        self._sends: list[tuple[str, Future[dist.Work], torch.Tensor, int]] = []
 
     def post_recv(self, msg: str, src: int, buf: torch.Tensor, tag: int) -> None:
         """Start receiving ``msg`` from stage ``src`` into ``buf`` (returns at once)."""
-        work = dist.irecv(buf, src=src, group=self.group.pg, tag=tag)
+        work = dist.irecv(buf, src=self.ranks[src], group=self.group.pg, tag=tag)
         self._recvs[msg] = (_issued(work, msg), buf, src)
 
     def wait_recv(self, msg: str) -> torch.Tensor:
@@ -154,10 +170,19 @@ class P2P:
 
     def send(self, msg: str, dst: int, t: torch.Tensor, tag: int) -> None:
         """Start sending ``t`` to stage ``dst`` (span ``send:<msg>`` around the issue only)."""
-        t = t.contiguous()
+        t, peer = t.contiguous(), self.ranks[dst]
+        links = self.group.links if self.group.delays() is not None else None
+
+        def issue() -> dist.Work:
+            return _issued(dist.isend(t, dst=peer, group=self.group.pg, tag=tag), msg)
+
         with current_recorder().collective("send:" + msg):
-            work = dist.isend(t, dst=dst, group=self.group.pg, tag=tag)
-        self._sends.append((msg, _issued(work, msg), t, dst))  # keeps ``t`` alive until sent
+            if links is not None:  # link latency: gloo gets it l_src + l_dst from now
+                work = links.send_later(dist.get_rank(), peer, issue)
+            else:
+                work = Future()
+                work.set_result(issue())
+        self._sends.append((msg, work, t, dst))  # keeps ``t`` alive until sent
 
     def drain(self) -> None:
         """Wait for every send of this step to complete (span ``drain:stage{j}``)."""
@@ -166,14 +191,23 @@ class P2P:
         if self._recvs:
             raise RuntimeError(f"pipeline: step ended with unreceived messages {list(self._recvs)}")
         with current_recorder().collective(f"drain:stage{self.group.rank}"):
-            for msg, work, _, dst in self._sends:
-                self._wait(work, msg, dst, "sending")
+            for msg, issued, _, dst in self._sends:
+                self._wait(self._issued_work(issued, msg, dst), msg, dst, "sending")
         self._sends.clear()
 
     def abandon(self) -> None:
         """Forget in-flight messages after a failure (the process group is torn down next)."""
+        for _, issued, _, _ in self._sends:
+            issued.cancel()  # a send still held back by link latency is never issued
         self._recvs.clear()
         self._sends.clear()
+
+    def _issued_work(self, issued: Future[dist.Work], msg: str, dst: int) -> dist.Work:
+        """The send's gloo work, once the link's latency has let it go."""
+        try:
+            return issued.result(self.timeout.total_seconds())
+        except FutureTimeout:
+            raise TimeoutError(self._stuck(msg, dst, "sending", "never issued")) from None
 
     def _wait(self, work: dist.Work, msg: str, peer: int, what: str) -> None:
         try:

@@ -30,7 +30,7 @@ from xronos.train.source import ModelSource
 
 
 class PipelineSession:
-    """This rank's pipeline stage under ``pplan`` (stage ``j`` = rank ``j`` of ``group``)."""
+    """This rank's pipeline stage under ``pplan``."""
 
     def __init__(
         self,
@@ -40,12 +40,20 @@ class PipelineSession:
         optim: OptimConfig,
         strategy: Strategy,
         timeout_s: float = 120.0,
+        stage_ranks: Sequence[int] | None = None,
     ) -> None:
+        """``stage_ranks``: which rank of ``group`` runs each stage (default: in order)."""
         if not strategy.is_pipeline:
             raise ValueError(f"{strategy} is not a pipeline strategy")
         self.source, self.pplan, self.group, self.strategy = source, pplan, group, strategy
         self.runner = PipelineRunner(
-            source, pplan, group, optim, strategy=strategy.value, timeout_s=timeout_s
+            source,
+            pplan,
+            group,
+            optim,
+            strategy=strategy.value,
+            timeout_s=timeout_s,
+            stage_ranks=stage_ranks,
         )
         m = pplan.num_microbatches
         self.max_events = 6 * m + 8  # ≤ 2 computes + 4 p2p spans per micro-batch, tied, norm
@@ -59,9 +67,13 @@ class PipelineSession:
         return StepResult(loss, norm, self.runner.lr, label_count(micro))
 
     def _whole(self) -> LlamaForCausalLM | None:
-        """The full model with the trained weights, on rank 0 only (collective)."""
+        """The full model with the trained weights, on the evaluating stage only
+        (collective): the stage that holds the most layers — the planner gives those to
+        the fastest device — so that evaluation does not wait on the slowest."""
         state = self.runner.gather_state()
-        if self.group.rank != 0:
+        ranges = self.pplan.layer_ranges
+        evaluator = max(range(len(ranges)), key=lambda j: (ranges[j][1] - ranges[j][0], j))
+        if self.runner.stage != evaluator:
             return None
         model = self.source.build(Plan.single(self.source.cfg), TPGroup())
         params = dict(model.named_parameters())
@@ -73,9 +85,9 @@ class PipelineSession:
 
     def evaluate(self, spec: EvalSpec) -> EvalResult | None:
         model = self._whole()
-        result = evaluate(model, spec) if model is not None else None
-        self.group.barrier()
-        return result
+        mine = evaluate(model, spec) if model is not None else None
+        # one stage evaluated; every rank returns its result
+        return next(r for r in self.group.gather_object(mine) if r is not None)
 
     def save(self, path: Path, extra: dict[str, Any]) -> None:
         model = self._whole()

@@ -78,6 +78,14 @@ def fits(
     )
 
 
+def fits_alone(p: DeviceProfile, totals: Mapping[str, int]) -> bool:
+    """Whether ``p`` holds the whole model (every unit of every segment) on its own."""
+    if p.memory_bytes <= 0:
+        return True
+    budget = p.memory_bytes - p.base_bytes
+    return budget >= 0 and fits({s: [totals[s]] for s in SEGMENTS}, [p], [budget])
+
+
 class Placement:
     """Everything fixed while the planner searches: curves, replicated work, bounds."""
 

@@ -11,8 +11,11 @@ so — as Asteroid and EdgeShard do — the planner minimises the **bottleneck s
 with the least bottleneck it takes the one with the least ``Σ_j t_j`` (the pipeline's
 fill time), and among those the one whose stage boundaries come first.
 
-Every device gets at least one layer (a device with none would only forward
-activations); a stage must fit its device's memory.
+Every stage gets at least one layer (a device with none would only forward activations);
+a stage must fit its device's memory. Which devices take part, in which order (so where the
+LM head lands) and how many micro-batches a step has are searched outside, over calls of
+:func:`plan_pipeline` (:mod:`xronos.planner.pipesearch`); ``PipelinePlan.ranks`` records
+which rank of the profiled cluster runs each stage.
 """
 
 from __future__ import annotations
@@ -84,6 +87,9 @@ class PipelinePlan:
     """Predicted time per micro-batch of each stage (empty when planned without costs)."""
     num_microbatches: int
     """Micro-batches per training step."""
+    ranks: tuple[int, ...] = ()
+    """Which rank of the cluster runs stage ``j`` (``ranks[j]``); empty = stage ``j`` on
+    rank ``j`` (plans written before the stage order was searched)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(str(d) for d in self.devices))
@@ -102,6 +108,15 @@ class PipelinePlan:
                 )
         if self.num_microbatches < 1:
             raise ValueError(f"pipeline plan: num_microbatches={self.num_microbatches} < 1")
+        ranks = tuple(int(r) for r in self.ranks)
+        object.__setattr__(self, "ranks", ranks)
+        if ranks and (len(ranks) != len(ranges) or len(set(ranks)) != len(ranks) or min(ranks) < 0):
+            raise ValueError(f"pipeline plan: ranks {ranks} must name one distinct rank per stage")
+
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        """The rank that runs each stage (``ranks``, or stage ``j`` on rank ``j``)."""
+        return self.ranks or tuple(range(len(self.devices)))
 
     @property
     def num_stages(self) -> int:
@@ -134,6 +149,7 @@ class PipelinePlan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["layer_ranges"] = [list(r) for r in self.layer_ranges]
+        d["ranks"] = list(self.ranks)
         return d
 
     def to_json(self) -> str:
@@ -147,6 +163,7 @@ class PipelinePlan:
                 layer_ranges=tuple(tuple(r) for r in d["layer_ranges"]),  # type: ignore[misc]
                 predicted_stage_s=tuple(d.get("predicted_stage_s", ())),
                 num_microbatches=int(d["num_microbatches"]),
+                ranks=tuple(d.get("ranks", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(
@@ -206,8 +223,16 @@ def _stage_cost(costs: Sequence[StageCosts], j: int, layers: int) -> float:
     return costs[j].stage_s(layers, first=first, last=last)
 
 
+def _table(num_layers: int, costs: Sequence[StageCosts]) -> list[list[float]]:
+    """``[j][k]``: :func:`_stage_cost` of stage ``j`` with ``k`` layers (k = 0 .. num_layers)."""
+    return [[_stage_cost(costs, j, k) for k in range(num_layers + 1)] for j in range(len(costs))]
+
+
 def _partition(
-    num_layers: int, costs: Sequence[StageCosts], bound: float | None
+    num_layers: int,
+    costs: Sequence[StageCosts],
+    bound: float | None,
+    table: list[list[float]] | None = None,
 ) -> tuple[float, list[int]]:
     """DP over contiguous partitions (each stage >= 1 layer).
 
@@ -217,6 +242,7 @@ def _partition(
     earliest stage boundary (strict improvement only, split points in increasing order).
     """
     n, inf = len(costs), math.inf
+    cost = table or _table(num_layers, costs)
     # best[j][k]: optimum for stages 0..j-1 covering layers [0, k); cut[j][k]: start of j-1
     best = [[inf] * (num_layers + 1) for _ in range(n + 1)]
     cut = [[-1] * (num_layers + 1) for _ in range(n + 1)]
@@ -227,7 +253,7 @@ def _partition(
                 prev = best[j - 1][start]
                 if prev == inf:
                     continue
-                t = _stage_cost(costs, j - 1, k - start)
+                t = cost[j - 1][k - start]
                 if bound is None:
                     value = max(prev, t)
                 elif t <= bound:
@@ -260,7 +286,12 @@ def _memory_error(num_layers: int, costs: Sequence[StageCosts]) -> UserError:
 
 
 def plan_pipeline(
-    num_layers: int, costs: list[StageCosts], num_microbatches: int | None = None
+    num_layers: int,
+    costs: list[StageCosts],
+    num_microbatches: int | None = None,
+    *,
+    ranks: Sequence[int] = (),
+    exact_step: bool = False,
 ) -> PipelinePlan:
     """The PP plan with the least bottleneck stage time (see the module docstring).
 
@@ -268,6 +299,10 @@ def plan_pipeline(
         num_layers: decoder layers of the model.
         costs: one per device, in stage order.
         num_microbatches: micro-batches per step (default: 2 × stages).
+        ranks: the rank of each stage's device (default: stage ``j`` on rank ``j``).
+        exact_step: minimise the whole step ``Σ_j t_j + (m − 1) · max_j t_j`` instead
+            (:func:`_least_step`): with few micro-batches a slightly worse bottleneck can
+            buy a much shorter fill.
 
     Raises:
         UserError: fewer layers than devices, a bad cost, or memory admits no partition.
@@ -277,15 +312,56 @@ def plan_pipeline(
         times = (c.layer_s, c.embed_s, c.head_s, c.send_s)
         if not all(math.isfinite(t) and t >= 0 for t in times):
             raise UserError(f"pipeline costs of device '{c.name}' are negative or not finite: {c}")
-    bottleneck, _ = _partition(num_layers, costs, None)
+    table = _table(num_layers, costs)
+    bottleneck, _ = _partition(num_layers, costs, None, table)
     if bottleneck == math.inf:
         raise _memory_error(num_layers, costs)
-    _, ends = _partition(num_layers, costs, bottleneck)
-    starts = [0, *ends[:-1]]
     n = len(costs)
+    m = num_microbatches or 2 * n
+    if exact_step:
+        ends = _least_step(num_layers, costs, bottleneck, m)
+    else:
+        _, ends = _partition(num_layers, costs, bottleneck, table)
+    starts = [0, *ends[:-1]]
     return PipelinePlan(
         tuple(c.name for c in costs),
         tuple(zip(starts, ends, strict=True)),
         tuple(_stage_cost(costs, j, ends[j] - starts[j]) for j in range(n)),
-        num_microbatches or 2 * n,
+        m,
+        tuple(ranks),
     )
+
+
+def _least_step(
+    num_layers: int, costs: Sequence[StageCosts], bottleneck: float, m: int
+) -> list[int]:
+    """Stage ends minimising ``Σ t + (m − 1) · max t``, exactly.
+
+    For every bound ``b``, the least ``Σ t`` with every stage ``≤ b`` plus ``(m − 1) · b``
+    is at least the step of the partition it finds, and equals the optimum's step at
+    ``b`` = the optimum's bottleneck; so the least over the stage times ``b`` is the
+    optimum. Only bounds from the least bottleneck up to where ``(m − 1) · b`` alone
+    exceeds the best found can win, which keeps the candidates few.
+    """
+    table = _table(num_layers, costs)
+    fill, ends = _partition(num_layers, costs, bottleneck, table)
+    best = fill + (m - 1) * bottleneck
+    least_fill, free_ends = _partition(num_layers, costs, math.inf, table)
+    if m == 1:
+        return free_ends
+    n = len(costs)
+    bounds = sorted(
+        {
+            t
+            for j in range(n)
+            for t in table[j][1 : num_layers - n + 2]
+            if bottleneck < t < math.inf and least_fill + (m - 1) * t < best
+        }
+    )
+    for b in bounds:
+        if least_fill + (m - 1) * b >= best:
+            break
+        total, cand = _partition(num_layers, costs, b, table)
+        if total + (m - 1) * b < best - 1e-12:
+            best, ends = total + (m - 1) * b, cand
+    return ends

@@ -6,8 +6,9 @@ along one axis:
 ========  ====================================  ======================================
 segment   unit of partition                     total units
 ========  ====================================  ======================================
-attn      one KV group (a KV head + its          ``num_kv_heads``
-          ``num_heads / num_kv_heads`` q heads)
+attn      one query head; a device computes      ``num_heads``
+          the K/V of every KV group it touches
+          (a cut group's K/V on each side)
 mlp       ``mlp_chunk`` intermediate columns      ``ceil(intermediate_size / mlp_chunk)``
 vocab     ``vocab_chunk`` vocabulary rows          ``ceil(vocab_size / vocab_chunk)``
 ========  ====================================  ======================================
@@ -66,7 +67,7 @@ def default_vocab_chunk(vocab_size: int) -> int:
 
 def segment_units(cfg: ModelConfig, mlp_chunk: int, vocab_chunk: int) -> dict[str, int]:
     return {
-        "attn": cfg.num_kv_heads,
+        "attn": cfg.num_heads,
         "mlp": math.ceil(cfg.intermediate_size / mlp_chunk),
         "vocab": math.ceil(cfg.vocab_size / vocab_chunk),
     }
@@ -94,7 +95,7 @@ class Plan:
     devices: tuple[str, ...]
     """Device names, in rank order."""
     attn: tuple[int, ...]
-    """KV groups per device."""
+    """Query heads per device."""
     mlp: tuple[int, ...]
     """MLP chunks per device."""
     vocab: tuple[int, ...]
@@ -140,7 +141,7 @@ class Plan:
         """[start, end) along the partitioned dim of ``segment`` for ``rank``.
 
         ``total_elems`` is the full length of that dim in units of the segment's element:
-        KV heads for attn, intermediate columns for mlp, vocabulary rows for vocab.
+        query heads for attn, intermediate columns for mlp, vocabulary rows for vocab.
         """
         chunk = {"attn": 1, "mlp": self.mlp_chunk, "vocab": self.vocab_chunk}[segment]
         split = self.split(segment)

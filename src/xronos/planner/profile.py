@@ -10,11 +10,12 @@ on it: ``t(0) = 0``, not ``a``.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from xronos.errors import UserError
+from xronos.planner.comm import LinkModel, Network, Traffic
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,18 @@ class DeviceProfile:
     replicated_split: dict[str, float] = field(default_factory=dict)
     """Seconds of replicated work before each segment's barrier, when measured in real
     steps (calibration); empty = ``replicated_s`` split by the planner's default shares."""
+    link: LinkModel | None = None
+    """This device's link in the star model (:mod:`xronos.planner.comm`), fitted from
+    point-to-point exchanges with every other device; None in profiles made before links
+    were measured (then ``allreduce_s`` is all the planner knows)."""
+    allreduce_fit: LinkModel | None = None
+    """Line through the all-reduce times measured over ``allreduce_group`` at two sizes
+    (the whole operation, not one round)."""
+    allreduce_group: tuple[str, ...] = ()
+    """The devices ``allreduce_fit`` was measured on."""
+    traffic: Traffic = field(default_factory=dict)
+    """A tensor-parallel step's collectives per barrier at the profiled batch shape
+    (:func:`xronos.planner.comm.tp_traffic`); empty in old profiles."""
 
     def replicated_before(self, segment: str, share: Mapping[str, float]) -> float:
         """Replicated work this device does before ``segment``'s barrier."""
@@ -65,7 +78,13 @@ class DeviceProfile:
         return self.replicated_s + sum(self.segments[s](u) for s, u in units.items())
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        for k in ("link", "allreduce_fit"):
+            v = getattr(self, k)
+            d[k] = None if v is None else v.to_dict()
+        d["allreduce_group"] = list(self.allreduce_group)
+        d["traffic"] = {s: [list(x) for x in v] for s, v in self.traffic.items()}
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DeviceProfile:
@@ -81,11 +100,35 @@ class DeviceProfile:
                 base_bytes=int(d.get("base_bytes", 0)),
                 key=str(d.get("key", "")),
                 replicated_split={k: float(v) for k, v in d.get("replicated_split", {}).items()},
+                link=_link(d.get("link")),
+                allreduce_fit=_link(d.get("allreduce_fit")),
+                allreduce_group=tuple(str(n) for n in d.get("allreduce_group", ())),
+                traffic={
+                    s: [(int(c), int(b)) for c, b in v] for s, v in d.get("traffic", {}).items()
+                },
             )
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise UserError(
                 f"profile: malformed device entry ({e}); re-run `xronos profile`"
             ) from e
+
+
+def _link(d: Mapping[str, Any] | None) -> LinkModel | None:
+    return None if d is None else LinkModel.from_dict(d)
+
+
+def network_of(profiles: Sequence[DeviceProfile]) -> Network | None:
+    """The star network of ``profiles``; None unless every one of them has its link."""
+    links = [p.link for p in profiles]
+    if not profiles or any(x is None for x in links):
+        return None
+    measured: tuple[tuple[str, ...], LinkModel] | None = None
+    fits = {(p.allreduce_group, p.allreduce_fit) for p in profiles}
+    if len(fits) == 1:
+        group, fit = next(iter(fits))
+        measured = None if fit is None else (group, fit)
+    names = tuple(p.name for p in profiles)
+    return Network(names, tuple(x for x in links if x is not None), measured)
 
 
 def save_profiles(path: str, profiles: list[DeviceProfile], meta: dict[str, Any]) -> None:

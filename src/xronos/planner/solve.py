@@ -41,7 +41,7 @@ from xronos.planner.plan import (
     default_vocab_chunk,
     segment_units,
 )
-from xronos.planner.profile import DeviceProfile
+from xronos.planner.profile import DeviceProfile, network_of
 
 #: Fraction of a device's ``replicated_s`` done before each segment's barrier.
 DEFAULT_REPLICATED_SHARE: dict[str, float] = {"attn": 0.5, "mlp": 0.5, "vocab": 0.0}
@@ -258,9 +258,27 @@ def annotate(
     return Plan.from_dict({**plan.to_dict(), "predicted_s": times})
 
 
+def transfer_by_segment(profiles: Sequence[DeviceProfile]) -> dict[str, float]:
+    """Per-step seconds of collectives at each barrier (``attn``, ``mlp``, ``vocab``) and
+    once per step (``step``: gradient norm, ...), over all of ``profiles``' devices.
+
+    With every device's link and the step's traffic profiled, this is the star model of
+    :mod:`xronos.planner.comm` (one device: nothing). Profiles from before links were
+    measured give the old single figure: all-reduces per step × the slowest device's
+    all-reduce time, all under ``step``.
+    """
+    net = network_of(profiles)
+    traffic = profiles[0].traffic if profiles else {}
+    if net is None or not traffic:
+        legacy = max((p.allreduce_s * p.allreduces_per_step for p in profiles), default=0.0)
+        return {"step": legacy if len(profiles) > 1 else 0.0}
+    return net.traffic_s(traffic, [p.name for p in profiles])
+
+
 def transfer_time(profiles: Sequence[DeviceProfile]) -> float:
-    """Per-step all-reduce time: every device takes part, so the slowest link sets it."""
-    return max((p.allreduce_s * p.allreduces_per_step for p in profiles), default=0.0)
+    """Per-step collective time of tensor parallelism over these devices (Σ of
+    :func:`transfer_by_segment`)."""
+    return sum(transfer_by_segment(profiles).values())
 
 
 def predict(
@@ -272,12 +290,15 @@ def predict(
     """What ``plan`` should do on devices with these ``profiles``, per step.
 
     Returns a JSON-able dict: ``segments[s]`` with each device's arrival time
-    (``finish_s``), the barrier time (``barrier_s``) and each device's wait (``idle_s``);
-    per device ``compute_s`` (replicated work + shards, = ``DeviceProfile.step_time``),
-    ``idle_s`` and ``idle_ratio`` (idle / step time, DESIGN §6); ``transfer_s``;
+    (``finish_s``), the barrier time (``barrier_s``), each device's wait (``idle_s``) and
+    the collectives' time after the barrier (``transfer_s``); per device ``compute_s``
+    (replicated work + shards, = ``DeviceProfile.step_time``), ``idle_s`` and
+    ``idle_ratio`` (idle / step time, DESIGN §6); ``compute_step_s`` (Σ barriers);
+    ``transfer_s`` (every collective of the step, :func:`transfer_by_segment`);
     ``step_time_s`` (Σ barriers + transfer); ``idle_ratio_mean`` and ``idle_ratio_max``.
     """
     times = _segment_times(plan, profiles, _shares(replicated_share))
+    by_segment = transfer_by_segment(profiles)
     segments: dict[str, Any] = {}
     for s, t in times.items():
         barrier = max(t)
@@ -285,10 +306,12 @@ def predict(
             "finish_s": list(t),
             "barrier_s": barrier,
             "idle_s": [barrier - x for x in t],
+            "transfer_s": by_segment.get(s, 0.0),
         }
     n = plan.world_size
-    transfer = transfer_time(profiles)
-    step = sum(seg["barrier_s"] for seg in segments.values()) + transfer
+    transfer = sum(by_segment.values())
+    compute = sum(seg["barrier_s"] for seg in segments.values())
+    step = compute + transfer
     idle = [sum(seg["idle_s"][i] for seg in segments.values()) for i in range(n)]
     ratio = [x / step if step > 0 else 0.0 for x in idle]
     return {
@@ -299,6 +322,7 @@ def predict(
         "idle_ratio": ratio,
         "idle_ratio_mean": sum(ratio) / n,
         "idle_ratio_max": max(ratio),
+        "compute_step_s": compute,
         "transfer_s": transfer,
         "step_time_s": step,
     }

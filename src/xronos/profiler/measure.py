@@ -2,7 +2,9 @@
 
 For each segment the shard of ``u`` units is built at its local shape and timed through
 forward + backward (+ its optimizer update) for a few ``u``; a least-squares line
-``t(u) = a + b·u`` is fitted. One layer is timed and multiplied by ``num_layers``. The
+``t(u) = a + b·u`` is fitted. An attention shard of ``u`` query heads computes the K/V of
+every KV group they touch; its points are whole groups, so the line carries each head's
+share of its group's K/V. One layer is timed and multiplied by ``num_layers``. The
 replicated work (embedding, norms, residuals, replicated parameters' update) is timed the
 same way. Every timing is the minimum of a few repetitions after a warm-up: the minimum is
 the least disturbed by other processes and by the CPU quota's throttling phase.
@@ -10,6 +12,7 @@ the least disturbed by other processes and by the CPU quota's throttling phase.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,10 +71,12 @@ def fit_line(points: list[tuple[int, float]]) -> CostCurve:
     return CostCurve(a, b)
 
 
-def unit_points(total: int) -> list[int]:
+def unit_points(total: int, step: int = 1) -> list[int]:
     """Two distinct unit counts (a quarter and a half of the total) where possible: enough
-    for the line, and cheap — the real-step calibration corrects the scale afterwards."""
-    return sorted({max(1, total // 4), max(1, total // 2)})
+    for the line, and cheap — the real-step calibration corrects the scale afterwards.
+    With ``step`` they are multiples of it (attention: whole KV groups, so the line through
+    them carries each query head's share of its group's K/V)."""
+    return sorted({max(step, total // 4 // step * step), max(step, total // 2 // step * step)})
 
 
 def _train_step_fn(
@@ -97,17 +102,22 @@ def module_out(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _shard_cfg(cfg: ModelConfig, seg: str, units: int, shape: Shape) -> ModelConfig:
-    if seg == "attn":
-        return cfg.replace(
-            num_kv_heads=units, num_heads=units * cfg.q_per_kv, head_dim=cfg.head_dim
-        )
+    if seg == "attn":  # the KV groups that ``units`` query heads from a group's start touch
+        kv = -(-units // cfg.q_per_kv)
+        return cfg.replace(num_kv_heads=kv, num_heads=kv * cfg.q_per_kv, head_dim=cfg.head_dim)
     return cfg.replace(intermediate_size=units * shape.mlp_chunk)
 
 
 class _AttnWithRope(nn.Module):
-    def __init__(self, cfg: ModelConfig, seq_len: int) -> None:
+    """An attention shard of ``heads`` query heads and the K/V heads of the groups they
+    touch (``cfg``'s), as a rank holding that many query heads computes it."""
+
+    def __init__(self, cfg: ModelConfig, heads: int, seq_len: int) -> None:
         super().__init__()
         self.attn = Attention(cfg)
+        d, h = cfg.head_dim, cfg.hidden_size
+        self.attn.q_proj = nn.Linear(h, heads * d, bias=cfg.attention_bias)
+        self.attn.o_proj = nn.Linear(heads * d, h, bias=False)
         self.cos_sin = RotaryEmbedding(cfg)(0, seq_len, torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +126,7 @@ class _AttnWithRope(nn.Module):
 
 def _segment_module(seg: str, units: int, shape: Shape) -> nn.Module:
     cfg = _shard_cfg(shape.cfg, seg, units, shape)
-    module: nn.Module = _AttnWithRope(cfg, shape.seq_len) if seg == "attn" else MLP(cfg)
+    module: nn.Module = _AttnWithRope(cfg, units, shape.seq_len) if seg == "attn" else MLP(cfg)
     if shape.lora is not None:
         add_lora(module, shape.lora, seed=0)
         for name, p in module.named_parameters():
@@ -195,7 +205,10 @@ def measure_segments(shape: Shape, repeats: int = 2) -> tuple[dict[str, CostCurv
     layers = shape.cfg.num_layers
     time_layer_segment("mlp", 1, shape, repeats=1)  # warm the allocator and the kernels
     for seg in ("attn", "mlp"):
-        pts = [(u, time_layer_segment(seg, u, shape, repeats)) for u in unit_points(totals[seg])]
+        step = shape.cfg.q_per_kv if seg == "attn" else 1
+        pts = [
+            (u, time_layer_segment(seg, u, shape, repeats)) for u in unit_points(totals[seg], step)
+        ]
         one = fit_line(pts)
         curves[seg] = CostCurve(one.a * layers, one.b * layers)
     curves["vocab"] = fit_line(
@@ -210,12 +223,16 @@ def unit_bytes(shape: Shape) -> dict[str, int]:
     per_param = BYTES_FP32 if shape.lora is not None else 4 * BYTES_FP32
     tokens = shape.batch_size * shape.seq_len
     h = cfg.hidden_size
-    attn_params = h * cfg.kv_group_width + cfg.q_per_kv * cfg.head_dim * h
+    # One query head: its q and o columns plus its share of its group's K/V. A device
+    # whose range cuts a KV group also holds that group's whole K/V (at most one extra
+    # group per cut side); that constant is not modelled per unit.
+    head_width = math.ceil(cfg.kv_group_width / cfg.q_per_kv)
+    attn_params = h * head_width + cfg.head_dim * h
     mlp_params = 3 * h * shape.mlp_chunk
     vocab_params = h * shape.vocab_chunk
     act = BYTES_FP32 * tokens
     return {
-        "attn": cfg.num_layers * (attn_params * per_param + act * 2 * cfg.kv_group_width),
+        "attn": cfg.num_layers * (attn_params * per_param + act * 2 * head_width),
         "mlp": cfg.num_layers * (mlp_params * per_param + act * 3 * shape.mlp_chunk),
         "vocab": vocab_params * per_param + act * 2 * shape.vocab_chunk,
     }

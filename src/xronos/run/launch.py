@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from xronos.comm.launch import WorkerFn, launch
 from xronos.emulation import ClusterSpec, Emulator
+from xronos.emulation.report import links_in_force
+from xronos.emulation.slot import assign_cpus
+from xronos.errors import UserError
+from xronos.utils import atomic_write_text
+
+DEFAULT_CPU_PERIOD_US = 10_000
+"""CFS period of an emulated device's CPU quota (see the emulation docs for why 10 ms)."""
 
 
 def fastest_device(cluster: ClusterSpec) -> int:
@@ -17,6 +27,48 @@ def fastest_device(cluster: ClusterSpec) -> int:
     CPU quota) of the spec, the first one on a tie."""
     caps = [d.capacity for d in cluster.devices]
     return caps.index(max(caps))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measurement_context(
+    cluster: ClusterSpec, *, emulate: bool, cpu_period_us: int
+) -> list[dict[str, Any]]:
+    """Per device, everything besides the workload that changes what profiling measures:
+    its spec (cores, quota, memory, link), the Xronos version, whether and how it is
+    emulated (CPU period), the host's CPU model and which other devices share its CPUs.
+    A profile is only reused under the same context (it goes into the cache key)."""
+    from xronos import __version__
+
+    cpus = assign_cpus(
+        [d.cores for d in cluster.devices],
+        [d.cpu_quota for d in cluster.devices],
+        sorted(os.sched_getaffinity(0)),
+    )
+    out = []
+    for i, d in enumerate(cluster.devices):
+        sharing = [
+            cluster.devices[j].name for j, c in enumerate(cpus) if j != i and set(c) & set(cpus[i])
+        ]
+        out.append(
+            {
+                **d.to_dict(),
+                "xronos": __version__,
+                "emulated": emulate,
+                "cpu_period_us": cpu_period_us if emulate else None,
+                "cpu_model": _cpu_model(),
+                "shares_cpus_with": sorted(sharing) if emulate else [],
+            }
+        )
+    return out
 
 
 def new_run_id(prefix: str = "run") -> str:
@@ -29,29 +81,65 @@ def run_on_cluster(
     cluster: ClusterSpec,
     *,
     emulate: bool = True,
-    network: bool = False,
+    network: bool | None = None,
     timeout_s: float = 300.0,
-    cpu_period_us: int = 10_000,
+    cpu_period_us: int = DEFAULT_CPU_PERIOD_US,
     on_event: Callable[[int, dict[str, Any]], None] | None = None,
     stop_signal: int | None = None,
     report: Callable[[str], None] | None = None,
+    emulation: dict[str, Any] | None = None,
+    devices_file: Path | None = None,
 ) -> list[Any]:
     """``fn(ctx, args[rank])`` on one process per device of ``cluster``.
 
     With ``emulate`` each worker runs inside its device's limits (cgroups, or the
-    duty-cycle fallback); the emulator's report is passed to ``report`` line by line.
+    duty-cycle fallback); the emulator's report is passed to ``report`` line by line, and
+    what it measured (each device's effective speed) is stored in ``emulation`` when given.
     All emulation state is removed on every exit path.
+
+    ``network``: True emulates every device's link (namespaces, ``tc``; latency by netem
+    or the communication layer) and stops with a UserError where that is impossible; None
+    does so when the cluster declares links, and goes on unshaped (reported) where it is
+    impossible; False talks over loopback.
+    ``devices_file`` (a run's ``devices.json``) lists, for operators and for tests that
+    load or kill a device from outside, each device's name, rank, worker pid, CPUs and
+    cgroup directories (empty when not emulated); it is rewritten as each worker starts.
     """
     devices = [d.name for d in cluster.devices]
     say = report or (lambda line: print(line, file=sys.stderr))
+    table = DevicesFile(devices_file, devices)
     if not emulate:
+        if network:
+            raise UserError(
+                "network emulation needs device emulation; turn emulation on, or drop "
+                "--bandwidth/--latency/--network"
+            )
+        if cluster.has_links:
+            say("network: not emulated (device emulation is off); declared links ignored")
         return launch(
-            fn, args, devices, timeout_s=timeout_s, on_event=on_event, stop_signal=stop_signal
+            fn,
+            args,
+            devices,
+            timeout_s=timeout_s,
+            on_start=table.started,
+            on_event=on_event,
+            stop_signal=stop_signal,
         )
-    with Emulator(cluster, new_run_id(), network=network, period_us=cpu_period_us) as emu:
+    wanted = cluster.has_links if network is None else network
+    with Emulator(
+        cluster,
+        new_run_id(),
+        network=wanted,
+        require_network=bool(network),
+        period_us=cpu_period_us,
+    ) as emu:
         for line in emu.report():
             say(line)
-        host = emu.bridge_ip if network and emu.bridge_ip else "127.0.0.1"
+        if emulation is not None:
+            emulation["speeds"] = [s.to_dict() for s in emu.speeds]
+            emulation["effective_speed"] = emu.effective_speeds()
+            emulation["links"] = links_in_force(cluster, emu.net is not None, emu.netem)
+        host = emu.bridge_ip or "127.0.0.1"
         return launch(
             fn,
             args,
@@ -59,7 +147,43 @@ def run_on_cluster(
             slots=[emu.slot(r) for r in range(cluster.world_size)],
             timeout_s=timeout_s,
             host=host,
-            on_start=emu.attach,
+            on_start=table.watching(emu),
             on_event=on_event,
             stop_signal=stop_signal,
+            latency_s=emu.comm_latencies(),
         )
+
+
+class DevicesFile:
+    """``devices.json``: ``{"devices": [{"name", "rank", "pid", "cpus", "cgroups"}, …]}``,
+    written atomically each time a worker starts (nothing when no path is given)."""
+
+    def __init__(self, path: Path | None, names: Sequence[str]) -> None:
+        self.path = path
+        self.rows: list[dict[str, Any]] = [
+            {"name": n, "rank": r, "pid": None, "cpus": [], "cgroups": []}
+            for r, n in enumerate(names)
+        ]
+
+    def started(self, rank: int, pid: int) -> None:
+        self.rows[rank]["pid"] = pid
+        if not self.rows[rank]["cpus"]:
+            self.rows[rank]["cpus"] = sorted(os.sched_getaffinity(pid))
+        self._write()
+
+    def watching(self, emu: Emulator) -> Callable[[int, int], None]:
+        """``on_start`` for an emulated run: join the device's limits, then record it."""
+
+        def on_start(rank: int, pid: int) -> None:
+            emu.attach(rank, pid)
+            group = emu.groups[rank]
+            self.rows[rank]["cpus"] = list(emu.cpus[rank])
+            self.rows[rank]["cgroups"] = [str(d) for d in group.dirs] if group else []
+            self.started(rank, pid)
+
+        return on_start
+
+    def _write(self) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.path, json.dumps({"devices": self.rows}, indent=2))

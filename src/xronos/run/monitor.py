@@ -6,6 +6,7 @@ end ``finish`` writes ``summary.md``, ``loss.png``, ``timeline.png`` and ``trace
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -95,6 +96,9 @@ class RunMonitor:
             self.measured = ev.get("measured", [])
             self.say(f"pipeline stages:\n{pplan.table()}")
             atomic_write_text(self.run_dir / "plan.json", pplan.to_json())
+        elif kind == "auto":
+            self.say(auto_table(ev["choice"], ev["ran"]))
+            atomic_write_text(self.run_dir / "auto.json", json.dumps(ev, indent=2))
         elif kind == "step":
             self._step(ev)
         elif kind == "eval":
@@ -217,6 +221,23 @@ class RunMonitor:
             "`plan.json`, `config.json`, `checkpoints/`.",
         ]
         return "\n".join(lines) + "\n"
+
+
+def auto_table(choice: dict[str, Any], ran: dict[str, Any]) -> str:
+    """What ``auto`` predicted for every candidate, fastest first, and what runs."""
+    names = choice["devices"]
+    rows = sorted(
+        choice["candidates"],
+        key=lambda c: (c["predicted_step_s"] is None, c["predicted_step_s"] or 0.0),
+    )
+    lines = ["auto: predicted seconds per step of every way to run it"]
+    for c in rows:
+        mark = "*" if c["strategy"] == ran["strategy"] and c["devices"] == ran["devices"] else " "
+        pred = f"{c['predicted_step_s']:.3f} s" if c["predicted_step_s"] else "infeasible"
+        who = ", ".join(names[r] for r in c["devices"])
+        lines.append(f" {mark} {c['strategy']:<8} [{who}]  {pred}  {c['why']}")
+    lines.append(f"auto runs {ran['strategy']} on [{', '.join(names[r] for r in ran['devices'])}]")
+    return "\n".join(lines)
 
 
 def _tensorboard(run_dir: Path) -> Any:

@@ -17,27 +17,29 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from xronos.data import (
     Example,
     Tokenizer,
     check_vocab,
     encode_prompt,
     load_examples,
-    resolve_tokenizer,
     smarthome,
     split_train_eval,
     tokenize,
 )
 from xronos.emulation import ClusterSpec, load_cluster
 from xronos.errors import UserError
+from xronos.model.gguf_resolve import resolve_tokenizer
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import Plan, default_mlp_chunk, default_vocab_chunk
 from xronos.profiler.measure import Shape
 from xronos.profiler.run import load_cached, profile_key
-from xronos.run.launch import fastest_device
+from xronos.run.launch import DEFAULT_CPU_PERIOD_US, fastest_device, measurement_context
 from xronos.run.sessions import ProfileSource, SessionSpec
 from xronos.run.worker import FinetuneJob, finetune_worker
-from xronos.runconfig import RunConfig
+from xronos.runconfig import BASE_DTYPES, RunConfig, resolve_default_model
 from xronos.train.batches import DatasetBatches
 from xronos.train.optim import OptimConfig
 from xronos.train.session import EvalSpec, Strategy
@@ -110,14 +112,25 @@ def _plan_for(
 def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
     """Resolve and check every input; nothing is started and nothing is written.
     ``cluster`` overrides ``cfg.cluster`` (the machines of a torchrun run)."""
+    cfg, model_note = resolve_default_model(cfg)
     strategy = Strategy.parse(cfg.strategy)
+    if strategy is Strategy.AUTO and cfg.plan is not None:
+        strategy = Strategy.XRONOS  # a given plan is a tensor-parallel plan: run it
     source = ModelSource.from_name(cfg.model, cfg.seed)
+    source = replace(source, base_dtype=getattr(torch, BASE_DTYPES[cfg.base_dtype]))
     if cfg.seq_len > source.cfg.max_position_embeddings:
         raise UserError(
             f"--seq-len {cfg.seq_len} exceeds the model's context of "
             f"{source.cfg.max_position_embeddings} tokens; lower --seq-len"
         )
     source = replace(source, lora=_lora(cfg, source))
+    if cfg.base_dtype != "fp32" and source.lora is None:
+        raise UserError(f"--base-dtype {cfg.base_dtype} needs LoRA (frozen base weights)")
+    if cfg.base_dtype != "fp32" and strategy.is_pipeline:
+        raise UserError(
+            f"--base-dtype {cfg.base_dtype}: pipelines pass fp32 activations; use "
+            "--strategy xronos, tp-even or single, or --base-dtype fp32"
+        )
     tok = resolve_tokenizer(cfg.model)
     check_vocab(tok, source.cfg.vocab_size)
     train_ex, eval_ex = _examples(cfg, tok)
@@ -130,6 +143,7 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
     evald = tokenize(eval_ex, tok, cfg.seq_len, truncation="drop") if eval_ex else None
     scored = [e for e in eval_ex if e.prompt and e.completion][: cfg.eval_size]
     cluster = cluster or load_cluster(cfg.cluster)
+    cluster = cfg.link().apply(cluster)  # --bandwidth/--latency: every device on that link
     if strategy is Strategy.SINGLE:
         fastest = cluster.devices[fastest_device(cluster)]
         cluster = ClusterSpec(name=f"{cluster.name}:{fastest.name}", devices=(fastest,))
@@ -141,7 +155,8 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
         vocab_chunk=default_vocab_chunk(source.cfg.vocab_size),
         lora=source.lora,
     )
-    keys = tuple(profile_key(d.to_dict(), shape) for d in cluster.devices)
+    context = measurement_context(cluster, emulate=cfg.emulate, cpu_period_us=DEFAULT_CPU_PERIOD_US)
+    keys = tuple(profile_key(c, shape) for c in context)
     cached = load_cached(list(keys))
     eos = tuple(i for i in (tok.eos_id,) if i is not None)
     batches = len(train) // cfg.batch_size
@@ -160,6 +175,7 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
             shape=shape,
             grad_accum=cfg.grad_accum,
             plan=_plan_for(cfg, strategy, source, cluster),
+            comm_dtype=cfg.comm_dtype,
         ),
         data=DatasetBatches(
             train, cfg.batch_size, seed=cfg.seed, pad_id=tok.pad_id, grad_accum=cfg.grad_accum
@@ -185,7 +201,7 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
         save_every=cfg.save_every,
         run_dir=str(run_dir),
     )
-    notes = [train.summary()]
+    notes = [*([model_note] if model_note else []), train.summary()]
     if evald is not None:
         notes.append("eval: " + evald.summary())
     return Prepared(cfg, source, tok, cluster, job, [e.completion for e in scored], run_dir, notes)
@@ -221,9 +237,11 @@ def launch_job(prep: Prepared, on_event: Any) -> list[Any]:
         [prep.job] * prep.cluster.world_size,
         prep.cluster,
         emulate=cfg.emulate,
+        network=cfg.link().network,
         timeout_s=cfg.timeout,
         on_event=on_event,
         stop_signal=signal.SIGUSR1,  # finetune workers stop after the step and checkpoint
+        devices_file=prep.run_dir / "devices.json",
     )
 
 
@@ -256,6 +274,7 @@ def resume_job(cfg: RunConfig) -> Prepared:
             f"--resume {cfg.resume}: its checkpoint is at step {meta['step']} of "
             f"{prep.job.steps}; pass a larger --steps to train further"
         )
-    prep.job = replace(prep.job, resume=str(ckpt))
+    session = replace(prep.job.session, resuming=True)
+    prep.job = replace(prep.job, resume=str(ckpt), session=session)
     prep.notes.append(f"resuming from {ckpt} (step {meta['step']})")
     return prep

@@ -9,15 +9,20 @@ loop runs (the one place that knows every strategy).
 
 from __future__ import annotations
 
+import datetime
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
 
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
-from xronos.pipeline.costs import pipeline_microbatches, stage_costs
+from xronos.errors import UserError
 from xronos.pipeline.session import PipelineSession
-from xronos.planner import PipelinePlan, plan_pipeline, plan_tp
+from xronos.planner import PipelinePlan, plan_tp
+from xronos.planner.auto import AutoChoice, Candidate, plan_auto
 from xronos.planner.plan import Plan
 from xronos.planner.profile import DeviceProfile
 from xronos.profiler.calibrate import plan_with_calibration
@@ -46,6 +51,12 @@ class SessionSpec:
     """Pipeline micro-batches per step (None: the pipeline planner's default)."""
     pipeline: PipelinePlan | None = None
     """A given pipeline plan (stages, layer ranges, micro-batches); None: planned."""
+    comm_dtype: str = "fp32"
+    """Dtype of the tensor-parallel activation all-reduces on the wire (``bf16`` halves
+    the bytes; ``fp32`` is exact)."""
+    resuming: bool = False
+    """The run continues from a checkpoint: ``auto`` leaves out what cannot resume
+    (pipelines, whose checkpoints hold no optimizer state)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,12 +102,17 @@ class Profiles:
 class Opened:
     """A session and how its plan came about."""
 
-    session: Session
+    session: Session | None
+    """None on a device that has no part in the chosen strategy (``auto``)."""
     seconds: float
     """Profiling + planning (+ calibration) time."""
     given: bool
     """The plan was given, not made from profiles."""
     calibrated: list[DeviceProfile] = field(default_factory=list)
+    choice: AutoChoice | None = None
+    """For ``auto``: every candidate's prediction and the winner."""
+    ran: Candidate | None = None
+    """For ``auto``: the candidate that runs (the winner, unless it cannot run yet)."""
 
 
 def open_session(
@@ -117,29 +133,147 @@ def open_session(
     """
     t0 = time.perf_counter()
     cfg, s = spec.source.cfg, spec.strategy
+    group = with_payload(group, spec.comm_dtype)
+    if s is Strategy.AUTO:
+        return open_auto(spec, ctx, group, profiles, first)
+    if s.is_pipeline and spec.pipeline is None:
+        return open_auto(spec, ctx, group, profiles, first, only="pp-1f1b")
     if s.is_pipeline:
-        pplan = spec.pipeline
-        if pplan is None:
-            m = pipeline_microbatches(spec.shape.batch_size * spec.grad_accum, group.size, None)
-            m = spec.microbatches or max(m - m % spec.grad_accum, spec.grad_accum)
-            pplan = plan_pipeline(cfg.num_layers, stage_costs(profiles(), cfg, m), m)
+        assert spec.pipeline is not None
         session: Session = PipelineSession(
-            spec.source, pplan, group, spec.optim, s, timeout_s=ctx.timeout_s
+            spec.source,
+            spec.pipeline,
+            group,
+            spec.optim,
+            s,
+            timeout_s=ctx.timeout_s,
+            stage_ranks=spec.pipeline.stage_ranks,
         )
-        return Opened(session, time.perf_counter() - t0, given=spec.pipeline is not None)
+        return Opened(session, time.perf_counter() - t0, given=True)
     if spec.plan is not None or s is not Strategy.XRONOS:
         plan = spec.plan or (
             Plan.single(cfg, ctx.device) if s is Strategy.SINGLE else Plan.even(cfg, ctx.devices)
         )
         session = TPSession(spec.source, plan, group, spec.optim, s)
         return Opened(session, time.perf_counter() - t0, given=True)
-    shape = spec.shape
+    session, calibrated = _calibrated_tp(spec, group, profiles(), first)
+    return Opened(session, time.perf_counter() - t0, given=False, calibrated=calibrated)
+
+
+def _calibrated_tp(
+    spec: SessionSpec, group: TPGroup, profiles: list[DeviceProfile], first: list[Batch]
+) -> tuple[TPSession, list[DeviceProfile]]:
+    """Heterogeneous TP over ``group``: plan from the members' ``profiles``, calibrate."""
+    cfg, shape = spec.source.cfg, spec.shape
 
     def plan_of(ps: list[DeviceProfile]) -> Plan:
         return plan_tp(cfg, ps, mlp_chunk=shape.mlp_chunk, vocab_chunk=shape.vocab_chunk)
 
     plan, calibrated, model = plan_with_calibration(
-        lambda p: spec.source.build(p, group), plan_of, profiles(), group, first[:1]
+        lambda p: spec.source.build(p, group), plan_of, profiles, group, first[:1]
     )
-    session = TPSession(spec.source, plan, group, spec.optim, s, model=model)
-    return Opened(session, time.perf_counter() - t0, given=False, calibrated=calibrated)
+    session = TPSession(spec.source, plan, group, spec.optim, Strategy.XRONOS, model=model)
+    return session, calibrated
+
+
+PAYLOADS = {"fp32": None, "bf16": torch.bfloat16}
+"""``--comm-dtype`` -> the dtype activations travel in (None: their own)."""
+
+
+def with_payload(group: TPGroup, comm_dtype: str) -> TPGroup:
+    """``group`` sending its activation all-reduces in ``comm_dtype``."""
+    if comm_dtype not in PAYLOADS:
+        raise UserError(f"--comm-dtype {comm_dtype!r}: choose one of {', '.join(PAYLOADS)}")
+    return replace(group, payload=PAYLOADS[comm_dtype])
+
+
+def subgroup(ctx: WorkerContext, ranks: Sequence[int]) -> TPGroup | None:
+    """The group of ``ranks`` (world ranks); None on a rank outside it. Collective: every
+    rank of the world calls it with the same ``ranks``."""
+    members = sorted(ranks)
+    if len(members) == ctx.world_size:
+        return ctx.group
+    pg = None
+    if len(members) > 1:
+        pg = dist.new_group(
+            members, timeout=datetime.timedelta(seconds=ctx.timeout_s), backend="gloo"
+        )
+    if ctx.rank not in members:
+        return None
+    if pg is None:
+        return TPGroup()
+    return replace(ctx.group, rank=members.index(ctx.rank), size=len(members), pg=pg)
+
+
+def open_auto(
+    spec: SessionSpec,
+    ctx: WorkerContext,
+    group: TPGroup,
+    profiles: Callable[[], list[DeviceProfile]],
+    first: list[Batch],
+    only: str | None = None,
+) -> Opened:
+    """Predict every candidate (:func:`~xronos.planner.auto.plan_auto`) and open the
+    fastest feasible one on the devices it names; the others get no session. A hybrid
+    is predicted but not run yet: the best other candidate runs instead. With ``only``
+    (``pp-1f1b``: the best pipeline, run with ``spec.strategy``'s schedule) the best
+    candidate of that kind runs."""
+    t0 = time.perf_counter()
+    cfg, shape, measured = spec.source.cfg, spec.shape, profiles()
+    choice = plan_auto(
+        cfg,
+        measured,
+        batch_size=shape.batch_size,
+        seq_len=shape.seq_len,
+        grad_accum=spec.grad_accum,
+        mlp_chunk=shape.mlp_chunk,
+        vocab_chunk=shape.vocab_chunk,
+    )
+    runnable = [
+        c
+        for c in choice.candidates
+        if c.feasible
+        and c.strategy != "hybrid"
+        and (only is None or c.strategy == only)
+        and not (spec.resuming and only is None and isinstance(c.plan, PipelinePlan))
+    ]
+    if not runnable:
+        raise UserError("auto: no strategy fits the devices' memory; add memory or devices")
+    best = min(runnable, key=lambda c: c.predicted_step_s)
+    members = sorted(best.devices)
+    own = subgroup(ctx, members)
+    own = with_payload(own, spec.comm_dtype) if own is not None else None
+    done = time.perf_counter() - t0
+    if own is None:
+        if isinstance(best.plan, PipelinePlan) and len(members) > 1:
+            # the stages make a point-to-point group of their own: every rank takes part
+            dist.new_group(
+                members, timeout=datetime.timedelta(seconds=ctx.timeout_s), backend="gloo"
+            )
+        return Opened(None, done, given=False, choice=choice, ran=best)
+    session: Session
+    calibrated: list[DeviceProfile] = []
+    if best.strategy == "single":
+        plan = Plan.single(cfg, ctx.device)
+        session = TPSession(spec.source, plan, own, spec.optim, Strategy.SINGLE)
+    elif best.strategy == "xronos":
+        chosen = replace(spec, strategy=Strategy.XRONOS)
+        session, calibrated = _calibrated_tp(chosen, own, [measured[r] for r in members], first)
+    elif best.strategy == "tp-even":
+        assert isinstance(best.plan, Plan)
+        session = TPSession(spec.source, best.plan, own, spec.optim, Strategy.TP_EVEN)
+    else:
+        assert isinstance(best.plan, PipelinePlan)
+        order = [members.index(r) for r in best.plan.stage_ranks]
+        schedule = spec.strategy if spec.strategy.is_pipeline else Strategy(best.strategy)
+        session = PipelineSession(
+            spec.source,
+            best.plan,
+            own,
+            spec.optim,
+            schedule,
+            timeout_s=ctx.timeout_s,
+            stage_ranks=order,
+        )
+    seconds = time.perf_counter() - t0
+    return Opened(session, seconds, given=False, calibrated=calibrated, choice=choice, ran=best)

@@ -65,6 +65,8 @@ class WorkerResult:
     grad_norms: list[float]
     state: dict[str, torch.Tensor] | None = None
     records: list[list[StepRecord]] = field(default_factory=list)
+    members: tuple[int, ...] = ()
+    """The ranks that trained (``auto`` may leave devices out); empty on those left out."""
 
 
 _STOP = {"requested": False}
@@ -84,10 +86,17 @@ def _agree_stop(group: TPGroup) -> bool:
     return bool(flag.item() > 0)
 
 
+def _lead(session: Session) -> bool:
+    """Whether this rank reports for the session (its group's first rank)."""
+    return session.group.rank == 0
+
+
 def _emit_plan(ctx: WorkerContext, opened: Opened, profiles: Profiles) -> None:
-    if ctx.rank != 0:
-        return
     s = opened.session
+    if s is None or not _lead(s):
+        return
+    if opened.choice is not None and opened.ran is not None:
+        ctx.emit({"kind": "auto", "choice": opened.choice.to_dict(), "ran": opened.ran.to_dict()})
     kind = "pipeline" if s.strategy.is_pipeline else "plan"
     ctx.emit(
         {
@@ -108,7 +117,7 @@ def _evaluate(ctx: WorkerContext, session: Session, spec: EvalSpec, when: str) -
 
     t0 = time.perf_counter()
     result = session.evaluate(spec)
-    if ctx.rank == 0 and result is not None:
+    if _lead(session) and result is not None:
         ctx.emit(
             {
                 "kind": "eval",
@@ -125,7 +134,7 @@ def _save(ctx: WorkerContext, session: Session, job: FinetuneJob) -> str:
     assert job.run_dir is not None
     path = checkpoint_path(job.run_dir, session.steps_done)
     session.save(path, checkpoint_extra(job, session))
-    if ctx.rank == 0:
+    if _lead(session):
         ctx.emit({"kind": "checkpoint", "step": session.steps_done, "path": str(path)})
     return str(path)
 
@@ -155,6 +164,9 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     opened = open_session(job.session, ctx, ctx.group, profiles.get, job.data.peek())
     session = opened.session
     _emit_plan(ctx, opened, profiles)
+    if session is None:  # auto left this device out: it has nothing to do
+        return WorkerResult(0, False, None, {}, [], [])
+    members = tuple(sorted(opened.ran.devices)) if opened.ran else tuple(range(ctx.world_size))
     if job.resume:
         job.data.load_state_dict(session.load(job.resume)["data"])
     if session.steps_done == 0 and not job.eval.empty:
@@ -165,7 +177,7 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     def after_step(o: StepOutcome) -> bool:
         if job.keep_records and o.records:
             kept.append(o.records)
-        if ctx.rank == 0:
+        if _lead(session):
             ctx.emit(
                 {
                     "kind": "step",
@@ -177,7 +189,7 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
                     "records": [r.to_dict() for r in o.records],
                 }
             )
-        stop = _agree_stop(ctx.group)
+        stop = _agree_stop(session.group)
         more = o.step < job.steps
         if job.run_dir and job.save_every and o.step % job.save_every == 0 and more:
             last[0] = _save(ctx, session, job)
@@ -185,9 +197,10 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
             _evaluate(ctx, session, job.eval, "during")
         return stop
 
-    recorder = SpanRecorder(ctx.rank, ctx.device, enabled=job.record and ctx.group.size > 1)
+    group = session.group
+    recorder = SpanRecorder(ctx.rank, ctx.device, enabled=job.record and group.size > 1)
     try:
-        loop = train_loop(session, job.data, job.steps, ctx.group, recorder, after_step)
+        loop = train_loop(session, job.data, job.steps, group, recorder, after_step)
     except LossNotFinite as e:
         raise UserError(
             f"loss is {e.loss} at step {e.step}; stopped; the last good checkpoint is "
@@ -208,4 +221,5 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
         grad_norms=loop.grad_norms,
         state=state,
         records=kept,
+        members=members,
     )

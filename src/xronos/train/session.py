@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from xronos.comm.mappings import TPGroup
 from xronos.data import TokenizedDataset
 from xronos.errors import UserError
 from xronos.metrics.records import Span
@@ -34,6 +35,9 @@ from xronos.train.batches import Batch
 class Strategy(str, Enum):
     """How the devices share the work."""
 
+    AUTO = "auto"
+    """Predict every way below (and tensor parallelism over a subset of the devices, and
+    hybrids) from the profiles, links included, and run the fastest."""
     XRONOS = "xronos"
     """Heterogeneous tensor parallelism: profiled, planned and calibrated shares."""
     TP_EVEN = "tp-even"
@@ -104,6 +108,8 @@ class Session(Protocol):
     """One rank's part of a training run under one strategy (see the module docstring)."""
 
     strategy: Strategy
+    group: TPGroup
+    """The ranks that run this session (all devices, a subset, or this one alone)."""
     max_events: int
     """The most spans one step records on this rank (sizes the records' wire form)."""
 

@@ -3,9 +3,11 @@
 Per step, besides the per-layer collectives inside forward and backward:
 
 1. one all-reduce of the flattened gradients that are per-rank partial sums
-   (LoRA A on column-parallel bases, LoRA B on row-parallel bases, Qwen3 q/k norms),
+   (LoRA A on column-parallel bases, LoRA B on row-parallel bases, Qwen3 q/k norms) and,
+   in the same buffer, of the rows of KV groups that several ranks share (K/V weights,
+   biases, LoRA B; zero where a rank does not hold a group: :mod:`xronos.parallel.shared`),
 2. one all-reduce of the squared gradient norm for clipping by the *global* norm
-   (sharded parameters count on every rank, replicated ones once).
+   (sharded parameters count on every rank, replicated ones and shared rows once).
 
 Each parameter's gradient norm is taken during the last micro-batch's backward, as soon
 as that gradient is final (a post-accumulate-grad hook), not in one pass after it: the
@@ -26,6 +28,7 @@ import torch
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
 from xronos.model.llama import LlamaForCausalLM
+from xronos.parallel.shared import shared_rows
 from xronos.parallel.spec import partial_grad, shard_spec
 from xronos.planner.plan import Plan
 from xronos.train.batches import Batch, label_count
@@ -62,6 +65,7 @@ class Trainer:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.partial = [p for n, p in named if group.size > 1 and partial_grad(n)]
+        self.shared = shared_rows(named, cfg, plan, group.rank)
         # A replicated parameter's gradient is identical on every rank: count it once.
         self.norm_weight = [
             1.0 if shard_spec(n, cfg, plan, group.rank) is not None or group.rank == 0 else 0.0
@@ -73,7 +77,9 @@ class Trainer:
         # Norms taken in backward (see the module docstring). The hooks hold only this
         # small record, not the trainer: no cycle keeps the process group alive.
         self._norms = _BackwardNorms()
-        partial = {id(p) for p in self.partial}
+        partial = {id(p) for p in self.partial} | {
+            id(p) for p in self.params if self.shared.holds(p)
+        }
         for k, (p, w) in enumerate(zip(self.params, self.norm_weight, strict=True)):
             if w and id(p) not in partial:
                 p.register_post_accumulate_grad_hook(self._norms.hook(k))
@@ -106,20 +112,26 @@ class Trainer:
 
     def _sync_partial_grads(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.partial]
-        if not grads:
+        if not grads and not self.shared.size:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        dtype = grads[0].dtype if grads else torch.float32
+        flat = torch.cat(
+            [g.reshape(-1) for g in grads] + [torch.zeros(self.shared.size, dtype=dtype)]
+        )
+        n_partial = flat.numel() - self.shared.size
+        self.shared.pack(flat[n_partial:])
         self.group.all_reduce(flat, "grads.partial")
         offset = 0
         for p, g in zip(self.partial, grads, strict=True):
             p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
             offset += g.numel()
+        self.shared.unpack(flat[n_partial:])
 
     def _global_norm(self) -> float:
         # The rest: partial gradients (final only after their all-reduce) and any gradient
         # the last backward did not touch.
         rest = [
-            p.grad.detach()
+            self.shared.owned(p, p.grad.detach())
             for k, (p, w) in enumerate(zip(self.params, self.norm_weight, strict=True))
             if p.grad is not None and w and k not in self._norms.taken
         ]

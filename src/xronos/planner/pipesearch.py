@@ -1,0 +1,199 @@
+"""The best pipeline: which devices, in which order, how many micro-batches.
+
+:func:`~xronos.planner.pipeline.plan_pipeline` splits the layers of a *given* device order
+exactly. This module searches around it, all of it pure:
+
+- **Stage costs per micro-batch** (:func:`device_stages`, :func:`stage_costs_for`): a
+  device's profile is measured on the whole batch, and costs scale with the tokens, so a
+  micro-batch of ``B/k`` of the ``B`` profiled sequences costs ``1/k`` of the batch. A stage
+  that is not last also pays, per micro-batch, its activations sent to the next stage and
+  their gradients coming back: ``2 · p2p(B/k·S·H·4 bytes)`` over the pair's link
+  (:mod:`xronos.planner.comm`); a CPU cannot overlap that with compute (DESIGN §1).
+- **Orders** (:func:`search_pipeline`): with at most ``max_permuted`` devices, every
+  ordered choice of two or more of them — so a device may hold no stage, and the LM head
+  (always on the last stage) may land on any device; with more, the given order only.
+- **Micro-batches**: a step of ``grad_accum`` batches of ``B`` sequences is cut into
+  ``m = grad_accum · k`` micro-batches, ``1 ≤ k ≤ B`` (the pipeline's micro-batch split
+  needs ``m`` a multiple of ``grad_accum`` and no empty part); more micro-batches shrink the
+  bubble ``(m − 1) · max_j t_j / m`` but pay each message's latency more often.
+
+A step (one optimizer step, ``grad_accum`` batches) is predicted as GPipe/1F1B's
+``Σ_j t_j + (m − 1) · max_j t_j``, and for each order and ``m`` the layer split minimises
+exactly that (``plan_pipeline(..., exact_step=True)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from itertools import permutations
+
+from xronos.config import ModelConfig
+from xronos.errors import UserError
+from xronos.planner.comm import LinkModel, pair
+from xronos.planner.pipeline import PipelinePlan, StageCosts, plan_pipeline
+from xronos.planner.plan import default_mlp_chunk, default_vocab_chunk, segment_units
+from xronos.planner.profile import DeviceProfile
+
+
+@dataclass(frozen=True)
+class StageDevice:
+    """Something that can run a pipeline stage: one device, or a tensor-parallel group."""
+
+    costs: StageCosts
+    """Its costs for the *whole profiled batch* (``send_s`` unused: links price it)."""
+    link: LinkModel | None
+    """Its link for point-to-point messages; None: priced by ``legacy_send_s``."""
+    ranks: tuple[int, ...]
+    """The cluster ranks it stands for (the first one runs the stage's messages)."""
+    legacy_send_s: float = 0.0
+    """Send cost per whole batch when links were not measured (old profiles)."""
+
+
+def device_stages(
+    profiles: Sequence[DeviceProfile],
+    cfg: ModelConfig,
+    *,
+    mlp_chunk: int | None = None,
+    vocab_chunk: int | None = None,
+) -> list[StageDevice]:
+    """One :class:`StageDevice` per profile (rank order), costs for the whole batch.
+
+    ``mlp_chunk`` / ``vocab_chunk`` must be the profiled unit sizes (default: the model's
+    defaults)."""
+    units = segment_units(
+        cfg,
+        mlp_chunk or default_mlp_chunk(cfg.intermediate_size),
+        vocab_chunk or default_vocab_chunk(cfg.vocab_size),
+    )
+    layers = cfg.num_layers
+    out = []
+    for r, p in enumerate(profiles):
+        per_layer = p.segments["attn"](units["attn"]) + p.segments["mlp"](units["mlp"])
+        ub = p.unit_bytes or {}
+        layer_bytes = ub.get("attn", 0) * units["attn"] + ub.get("mlp", 0) * units["mlp"]
+        costs = StageCosts(
+            name=p.name,
+            layer_s=(per_layer + p.replicated_s) / layers,
+            head_s=p.segments["vocab"](units["vocab"]),
+            layer_bytes=layer_bytes // layers,
+            head_bytes=ub.get("vocab", 0) * units["vocab"],
+            memory_bytes=max(0, p.memory_bytes - p.base_bytes) if p.memory_bytes else 0,
+        )
+        out.append(StageDevice(costs, p.link, (r,), legacy_send_s=p.allreduce_s))
+    return out
+
+
+def send_s(a: StageDevice, b: StageDevice, nbytes: float, fraction: float) -> float:
+    """Activations ``a`` → ``b`` and their gradients back, for one micro-batch."""
+    if a.link is None or b.link is None:
+        return max(a.legacy_send_s, b.legacy_send_s) * fraction
+    return 2 * pair(a.link, b.link).p2p_s(nbytes)
+
+
+def stage_costs_for(
+    order: Sequence[StageDevice], *, fraction: float, act_bytes: float
+) -> list[StageCosts]:
+    """Per-micro-batch costs of ``order`` as consecutive stages.
+
+    Args:
+        order: the stages' devices, first to last.
+        fraction: a micro-batch's share of the profiled batch (``1/k``).
+        act_bytes: bytes of the profiled batch's activation ``(B, S, H)`` fp32.
+    """
+    out = []
+    for j, d in enumerate(order):
+        c = d.costs
+        nxt = order[j + 1] if j + 1 < len(order) else None
+        out.append(
+            replace(
+                c,
+                layer_s=c.layer_s * fraction,
+                embed_s=c.embed_s * fraction,
+                head_s=c.head_s * fraction,
+                send_s=0.0 if nxt is None else send_s(d, nxt, act_bytes * fraction, fraction),
+            )
+        )
+    return out
+
+
+def microbatch_counts(batch_size: int) -> list[int]:
+    """The ``k`` (micro-batches per accumulation batch) worth trying: 1 .. B."""
+    return list(range(1, max(1, batch_size) + 1))
+
+
+def orders(n: int, max_permuted: int, *, must: int | None = None) -> Iterator[tuple[int, ...]]:
+    """Device orders to try: every ordered choice of 2+ of ``n`` (or just ``0..n-1``)."""
+    if n > max_permuted:
+        yield tuple(range(n))
+        return
+    for size in range(2, n + 1):
+        for order in permutations(range(n), size):
+            if must is None or must in order:
+                yield order
+
+
+def search_pipeline(
+    num_layers: int,
+    devices: Sequence[StageDevice],
+    *,
+    batch_size: int,
+    grad_accum: int,
+    act_bytes: float,
+    max_permuted: int = 5,
+    must: int | None = None,
+) -> PipelinePlan | None:
+    """The fastest pipeline over orders and micro-batch counts (see the module docstring).
+
+    Args:
+        num_layers: decoder layers.
+        devices: candidates for stages; ``must`` (an index into them) must take a stage.
+        batch_size: ``B``, sequences per accumulation batch (the profiled batch).
+        grad_accum: accumulation batches per optimizer step.
+        act_bytes: bytes of one batch's activation ``(B, S, H)`` fp32.
+        max_permuted: above this many devices, only the given order is tried.
+
+    Returns:
+        The plan with the least predicted step (``ranks`` from ``devices``), or None if
+        no order fits in memory.
+    """
+    best: PipelinePlan | None = None
+    for order in orders(len(devices), max_permuted, must=must):
+        if len(order) > num_layers:
+            continue
+        staged = [devices[i] for i in order]
+        for k in microbatch_counts(batch_size):
+            costs = stage_costs_for(staged, fraction=1.0 / k, act_bytes=act_bytes)
+            if best is not None and lower_bound(num_layers, costs, grad_accum * k) >= (
+                best.predicted_step_s
+            ):
+                continue
+            try:
+                plan = plan_pipeline(
+                    num_layers,
+                    costs,
+                    grad_accum * k,
+                    ranks=[d.ranks[0] for d in staged],
+                    exact_step=True,
+                )
+            except UserError:
+                break  # memory does not depend on k: no k fits this order
+            if best is None or plan.predicted_step_s < best.predicted_step_s - 1e-12:
+                best = plan
+    return best
+
+
+def lower_bound(num_layers: int, costs: Sequence[StageCosts], m: int) -> float:
+    """A step no split of these stages (in this order) can beat, memory ignored: every layer
+    costs at least the cheapest stage's layer, every stage holds one layer or more, and the
+    bottleneck is at least the mean and at least any one-layer stage."""
+    n = len(costs)
+    one = [c.stage_s(1, first=j == 0, last=j == n - 1) for j, c in enumerate(costs)]
+    fill = sum(one) + (num_layers - n) * min(c.layer_s for c in costs)
+    return fill + (m - 1) * max(fill / n, *one)
+
+
+def activation_bytes(profiles: Sequence[DeviceProfile]) -> float:
+    """Bytes of the profiled batch's activation, from the profiled traffic (0 if unknown)."""
+    attn = profiles[0].traffic.get("attn", []) if profiles else []
+    return float(attn[0][1]) if attn else 0.0

@@ -1,0 +1,95 @@
+"""``auto`` through the product's worker: it runs what the planner picked, on the devices
+it picked; a device it leaves out takes no part, and the others train exactly as one
+device would.
+
+The devices' profiles are given (as a cache would give them), so what ``auto`` must pick
+is known: two fast devices on a fast link and one far slower device on a slow link.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.dist import product
+from tests.dist.world import run_world
+from xronos.config import ModelConfig
+from xronos.planner import SEGMENTS
+from xronos.planner.comm import LinkModel, tp_traffic
+from xronos.planner.profile import CostCurve, DeviceProfile
+from xronos.run.sessions import ProfileSource
+from xronos.run.worker import finetune_worker
+from xronos.train.session import Strategy
+
+# As in tests/dist/test_training.py: fp32 reassociation only (~1e-7 relative observed);
+# a missing all-reduce or a wrong slice moves parameters by O(lr) = 3e-3 per step.
+LOSS_RTOL = 1e-4
+PARAM_ATOL = 1e-4
+
+CFG = ModelConfig(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    tie_word_embeddings=True,
+)
+
+
+def _profile(name: str, speed: float, bandwidth: float) -> DeviceProfile:
+    per_unit = {"attn": 0.02, "mlp": 0.004, "vocab": 0.001}
+    return DeviceProfile(
+        name=name,
+        segments={s: CostCurve(0.0, per_unit[s] / speed) for s in SEGMENTS},
+        replicated_s=0.01 / speed,
+        link=LinkModel(1e-4, bandwidth),
+        traffic=tp_traffic(num_layers=CFG.num_layers, hidden_size=CFG.hidden_size, tokens=32),
+    )
+
+
+@pytest.mark.slow
+def test_auto_leaves_a_slow_far_device_out_and_trains_exactly() -> None:
+    profiles = (
+        _profile("rank0", 1.0, 1.25e9),
+        _profile("rank1", 1.0, 1.25e9),
+        _profile("rank2", 0.01, 1.25e3),  # 100x slower, 10 kbit/s: it can only cost time
+    )
+    job = product.job(CFG, lora=None, steps=4, strategy=Strategy.AUTO)
+    job = dataclasses.replace(
+        job, profiles=ProfileSource(memory_caps=(None,) * 3, keys=("",) * 3, cached=profiles)
+    )
+    results = run_world(finetune_worker, 3, job)
+    left_out = results[2]
+    assert left_out.members == () and left_out.losses == [] and left_out.state is None
+    trained = results[:2]
+    assert all(r.members == (0, 1) for r in trained)
+    ref = product.single(job)
+    for r in trained:
+        assert r.losses == pytest.approx(ref.losses, rel=LOSS_RTOL)
+        assert list(r.plan["devices"]) == ["rank0", "rank1"]  # tensor parallel over the two
+    assert ref.state is not None and trained[0].state is not None
+    for name, want in ref.state.items():
+        torch.testing.assert_close(trained[0].state[name], want, atol=PARAM_ATOL, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_searched_pipeline_runs_in_its_device_order() -> None:
+    """The pipeline search puts the LM head (the last stage) on the fast device, here rank
+    0: stage 0 runs on rank 1. The runner follows that order and stays exact."""
+    profiles = (_profile("rank0", 1.0, 1.25e9), _profile("rank1", 0.4, 1.25e9))
+    job = product.job(CFG, lora=None, steps=3, strategy=Strategy.PP_1F1B)
+    job = dataclasses.replace(
+        job, profiles=ProfileSource(memory_caps=(None,) * 2, keys=("",) * 2, cached=profiles)
+    )
+    results = run_world(finetune_worker, 2, job)
+    ref = product.single(job)
+    for r in results:
+        assert r.members == (0, 1)
+        assert list(r.plan["ranks"]) == [1, 0], r.plan  # the head stage on the fast rank 0
+        assert r.losses == pytest.approx(ref.losses, rel=LOSS_RTOL)
+    assert ref.state is not None and results[0].state is not None
+    for name, want in ref.state.items():
+        torch.testing.assert_close(results[0].state[name], want, atol=PARAM_ATOL, rtol=1e-4)

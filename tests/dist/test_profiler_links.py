@@ -1,0 +1,38 @@
+"""The profiler's link measurement on real gloo ranks: every pair exchanged, a star fitted."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tests.dist.world import WorkerContext, run_world
+from xronos.planner.comm import LinkModel
+from xronos.profiler.run import measure_links, time_pairs
+
+
+def _links(ctx: WorkerContext, numel: int) -> dict[str, Any]:
+    led = time_pairs(ctx.group, [numel // 16, numel])
+    link, ar = measure_links(ctx.group, numel)
+    return {"led": led, "link": link, "allreduce": ar}
+
+
+def test_every_pair_is_measured_and_every_rank_gets_a_link() -> None:
+    out = run_world(_links, 3, 1 << 14)
+    led = {k: v for r in out for k, v in r["led"].items()}
+    assert sorted(led) == [(0, 1), (0, 2), (1, 2)]  # each pair once, by its lower rank
+    for points in led.values():
+        assert [b for b, _ in points] == [4 * (1 << 10), 4 * (1 << 14)]  # fp32 bytes
+        assert all(t > 0 for _, t in points)
+    assert all(r["allreduce"] == out[0]["allreduce"] for r in out)  # one line for the group
+    for r in out:
+        for fit in (r["link"], r["allreduce"]):
+            assert isinstance(fit, LinkModel)
+            assert math.isfinite(fit.latency_s) and fit.latency_s >= 0 and fit.bandwidth_bps > 0
+
+
+def _alone(ctx: WorkerContext, _: None) -> tuple[Any, Any]:
+    return measure_links(ctx.group, 1024)
+
+
+def test_one_rank_measures_no_link() -> None:
+    assert run_world(_alone, 1) == [(None, None)]
