@@ -9,18 +9,19 @@ is known: two fast devices on a fast link and one far slower device on a slow li
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
 
 from tests.dist import product
-from tests.dist.world import run_world
+from tests.dist.world import WorkerContext, run_world
 from xronos.config import ModelConfig
 from xronos.planner import SEGMENTS
 from xronos.planner.comm import LinkModel, tp_traffic
 from xronos.planner.profile import CostCurve, DeviceProfile
-from xronos.run.sessions import ProfileSource
-from xronos.run.worker import finetune_worker
+from xronos.run.sessions import SHORTLIST, Profiles, ProfileSource, open_session
+from xronos.run.worker import FinetuneJob, finetune_worker
 from xronos.train.session import Strategy
 
 # As in tests/dist/test_training.py: fp32 reassociation only (~1e-7 relative observed);
@@ -58,8 +59,11 @@ def test_auto_leaves_a_slow_far_device_out_and_trains_exactly() -> None:
         _profile("rank2", 0.01, 1.25e3),  # 100x slower, 10 kbit/s: it can only cost time
     )
     job = product.job(CFG, lora=None, steps=4, strategy=Strategy.AUTO)
+    # trust the predictions (no trial steps): what auto must pick is then known exactly
     job = dataclasses.replace(
-        job, profiles=ProfileSource(memory_caps=(None,) * 3, keys=("",) * 3, cached=profiles)
+        job,
+        session=dataclasses.replace(job.session, trial_steps=0),
+        profiles=ProfileSource(memory_caps=(None,) * 3, keys=("",) * 3, cached=profiles),
     )
     results = run_world(finetune_worker, 3, job)
     left_out = results[2]
@@ -93,3 +97,38 @@ def test_searched_pipeline_runs_in_its_device_order() -> None:
     assert ref.state is not None and results[0].state is not None
     for name, want in ref.state.items():
         torch.testing.assert_close(results[0].state[name], want, atol=PARAM_ATOL, rtol=1e-4)
+
+
+def _auto_with_trials(ctx: WorkerContext, job: FinetuneJob) -> dict[str, Any]:
+    spec = job.session
+    profiles = Profiles(ctx, spec.shape, job.profiles)
+    opened = open_session(spec, ctx, ctx.group, profiles.get, job.data.peek())
+    assert opened.ran is not None and opened.choice is not None
+    out = {
+        "trials": opened.trials,
+        "ran": opened.ran.to_dict(),
+        "has_session": opened.session is not None,
+    }
+    if opened.session is not None:
+        opened.session.close()
+    return out
+
+
+@pytest.mark.slow
+def test_auto_measures_its_shortlist_and_runs_the_fastest_measured() -> None:
+    """With trial steps, auto times the best-predicted few on the devices (a real step
+    cannot be off like a prediction can) and runs the one measured fastest; every rank
+    agrees on it."""
+    profiles = (_profile("rank0", 1.0, 1.25e9), _profile("rank1", 0.5, 1.25e9))
+    job = product.job(CFG, lora=None, steps=1, strategy=Strategy.AUTO)
+    job = dataclasses.replace(
+        job, profiles=ProfileSource(memory_caps=(None,) * 2, keys=("",) * 2, cached=profiles)
+    )
+    got = run_world(_auto_with_trials, 2, job)
+    trials = got[0]["trials"]
+    assert len(trials) == SHORTLIST and all(t > 0 for t in trials.values())
+    assert all(g["trials"] == trials and g["ran"] == got[0]["ran"] for g in got)
+    ran = got[0]["ran"]
+    key = f"{ran['strategy']}:{','.join(map(str, ran['devices']))}"
+    assert trials[key] == min(trials.values())
+    assert [g["has_session"] for g in got] == [r in ran["devices"] for r in range(2)]

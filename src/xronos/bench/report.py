@@ -16,6 +16,7 @@ from xronos.metrics import (
     analyze_step,
     efficiency,
     ideal_step_time,
+    is_pipeline,
     stall_ratio,
     summarize,
     write_trace,
@@ -25,8 +26,11 @@ from xronos.utils import atomic_write_text
 
 
 def strategy_entry(name: Strategy, log: StrategyLog, scenario: Scenario) -> dict[str, Any]:
-    analyze = analyze_pipeline_step if name.is_pipeline else analyze_step
-    steps = [analyze(recs) for recs in log.records]
+    # what ran decides (auto may have run a pipeline)
+    steps = [
+        analyze_pipeline_step(recs) if is_pipeline(recs) else analyze_step(recs)
+        for recs in log.records
+    ]
     run = summarize(steps, skip_warmup=scenario.warmup)
     try:
         stall = stall_ratio(log.observed, log.isolated)

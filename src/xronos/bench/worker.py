@@ -144,7 +144,9 @@ def bench_worker(ctx: WorkerContext, job: BenchJob) -> BenchOutput | None:
             auto = {
                 **opened.choice.to_dict(),
                 "ran": opened.ran.to_dict(),
-                "chosen_strategy": opened.choice.chosen.strategy,
+                "chosen_strategy": opened.ran.strategy,
+                "predicted_best": opened.choice.chosen.strategy,
+                "trials": opened.trials,
                 "seconds": opened.seconds,
             }
     logs = {s: StrategyLog() for s in job.strategies}

@@ -97,7 +97,7 @@ class RunMonitor:
             self.say(f"pipeline stages:\n{pplan.table()}")
             atomic_write_text(self.run_dir / "plan.json", pplan.to_json())
         elif kind == "auto":
-            self.say(auto_table(ev["choice"], ev["ran"]))
+            self.say(auto_table(ev["choice"], ev["ran"], ev.get("trials", {})))
             atomic_write_text(self.run_dir / "auto.json", json.dumps(ev, indent=2))
         elif kind == "step":
             self._step(ev)
@@ -223,19 +223,25 @@ class RunMonitor:
         return "\n".join(lines) + "\n"
 
 
-def auto_table(choice: dict[str, Any], ran: dict[str, Any]) -> str:
-    """What ``auto`` predicted for every candidate, fastest first, and what runs."""
+def auto_table(
+    choice: dict[str, Any], ran: dict[str, Any], trials: dict[str, float] | None = None
+) -> str:
+    """What ``auto`` predicted for every candidate, fastest first, what it measured of the
+    best few, and what runs."""
     names = choice["devices"]
     rows = sorted(
         choice["candidates"],
         key=lambda c: (c["predicted_step_s"] is None, c["predicted_step_s"] or 0.0),
     )
-    lines = ["auto: predicted seconds per step of every way to run it"]
+    lines = ["auto: predicted seconds per step of every way to run it (the best few measured)"]
     for c in rows:
         mark = "*" if c["strategy"] == ran["strategy"] and c["devices"] == ran["devices"] else " "
         pred = f"{c['predicted_step_s']:.3f} s" if c["predicted_step_s"] else "infeasible"
         who = ", ".join(names[r] for r in c["devices"])
-        lines.append(f" {mark} {c['strategy']:<8} [{who}]  {pred}  {c['why']}")
+        key = f"{c['strategy']}:{','.join(map(str, c['devices']))}"
+        tried = (trials or {}).get(key)
+        got = f"  measured {tried:.3f} s" if tried is not None else ""
+        lines.append(f" {mark} {c['strategy']:<8} [{who}]  {pred}{got}  {c['why']}")
     lines.append(f"auto runs {ran['strategy']} on [{', '.join(names[r] for r in ran['devices'])}]")
     return "\n".join(lines)
 

@@ -10,6 +10,7 @@ loop runs (the one place that knows every strategy).
 from __future__ import annotations
 
 import datetime
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,6 +35,11 @@ from xronos.train.session import Session, Strategy
 from xronos.train.source import ModelSource
 from xronos.train.tp import TPSession
 
+TRIAL_STEPS = 2
+"""Timed steps (after one untimed) that ``auto`` runs of each shortlisted candidate."""
+SHORTLIST = 3
+"""How many of the best-predicted candidates ``auto`` measures before it chooses."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SessionSpec:
@@ -54,6 +60,9 @@ class SessionSpec:
     comm_dtype: str = "fp32"
     """Dtype of the tensor-parallel activation all-reduces on the wire (``bf16`` halves
     the bytes; ``fp32`` is exact)."""
+    trial_steps: int = TRIAL_STEPS
+    """``auto``: timed steps of each shortlisted candidate before choosing (0: trust the
+    predictions alone)."""
     resuming: bool = False
     """The run continues from a checkpoint: ``auto`` leaves out what cannot resume
     (pipelines, whose checkpoints hold no optimizer state)."""
@@ -112,7 +121,9 @@ class Opened:
     choice: AutoChoice | None = None
     """For ``auto``: every candidate's prediction and the winner."""
     ran: Candidate | None = None
-    """For ``auto``: the candidate that runs (the winner, unless it cannot run yet)."""
+    """For ``auto``: the candidate that runs (the fastest measured of the shortlist)."""
+    trials: dict[str, float] = field(default_factory=dict)
+    """For ``auto``: measured seconds per step of each shortlisted candidate."""
 
 
 def open_session(
@@ -205,6 +216,10 @@ def subgroup(ctx: WorkerContext, ranks: Sequence[int]) -> TPGroup | None:
     return replace(ctx.group, rank=members.index(ctx.rank), size=len(members), pg=pg)
 
 
+def _key(c: Candidate) -> str:
+    return f"{c.strategy}:{','.join(map(str, c.devices))}"
+
+
 def open_auto(
     spec: SessionSpec,
     ctx: WorkerContext,
@@ -213,11 +228,13 @@ def open_auto(
     first: list[Batch],
     only: str | None = None,
 ) -> Opened:
-    """Predict every candidate (:func:`~xronos.planner.auto.plan_auto`) and open the
-    fastest feasible one on the devices it names; the others get no session. A hybrid
-    is predicted but not run yet: the best other candidate runs instead. With ``only``
-    (``pp-1f1b``: the best pipeline, run with ``spec.strategy``'s schedule) the best
-    candidate of that kind runs."""
+    """Predict every candidate (:func:`~xronos.planner.auto.plan_auto`), then *measure*
+    the best few — each opened fresh on its devices, one untimed and
+    :data:`TRIAL_STEPS` timed steps on the first batch, then discarded — and open the
+    fastest measured one; the devices it leaves out get no session. Predictions from a few
+    seconds of profiling can be off by tens of percent; a real step cannot. A hybrid is
+    predicted but not run yet. With ``only`` (``pp-1f1b``: the best pipeline, run with
+    ``spec.strategy``'s schedule) the best-predicted candidate of that kind runs, untried."""
     t0 = time.perf_counter()
     cfg, shape, measured = spec.source.cfg, spec.shape, profiles()
     choice = plan_auto(
@@ -239,41 +256,88 @@ def open_auto(
     ]
     if not runnable:
         raise UserError("auto: no strategy fits the devices' memory; add memory or devices")
-    best = min(runnable, key=lambda c: c.predicted_step_s)
+    ranked = sorted(runnable, key=lambda c: c.predicted_step_s)
+    shortlist = ranked[:SHORTLIST] if only is None else ranked[:1]
+    trials: dict[str, float] = {}
+    tried: dict[str, tuple[Plan | None, list[DeviceProfile]]] = {}
+    if len(shortlist) > 1 and spec.trial_steps > 0:
+        for c in shortlist:
+            session, calibrated = _open_candidate(spec, ctx, c, measured, first, None)
+            trials[_key(c)] = _trial(session, first, ctx, spec.trial_steps)
+            tried[_key(c)] = (getattr(session, "plan", None), calibrated)
+            if session is not None:
+                session.close()
+    best = min(shortlist, key=lambda c: trials.get(_key(c), c.predicted_step_s))
+    plan, calibrated = tried.get(_key(best), (None, []))
+    session, fresh = _open_candidate(spec, ctx, best, measured, first, plan)
+    return Opened(
+        session,
+        time.perf_counter() - t0,
+        given=False,
+        calibrated=calibrated or fresh,
+        choice=choice,
+        ran=best,
+        trials=trials,
+    )
+
+
+def _trial(session: Session | None, micro: list[Batch], ctx: WorkerContext, steps: int) -> float:
+    """Median over ``steps`` steps (after one) of the slowest rank's step time; every rank
+    of the world takes part (those without a session wait)."""
+    times = []
+    for k in range(1 + steps):
+        ctx.group.barrier()
+        start = time.perf_counter()
+        if session is not None:
+            session.step(micro)
+        worst = max(ctx.group.gather_object(time.perf_counter() - start))
+        if k:
+            times.append(worst)
+    return statistics.median(times)
+
+
+def _open_candidate(
+    spec: SessionSpec,
+    ctx: WorkerContext,
+    best: Candidate,
+    measured: list[DeviceProfile],
+    first: list[Batch],
+    plan: Plan | None,
+) -> tuple[Session | None, list[DeviceProfile]]:
+    """``best``'s session on its devices (None elsewhere; collective over the world), and
+    its calibrated profiles; ``plan``: an xronos plan already calibrated (a trial's)."""
+    cfg = spec.source.cfg
     members = sorted(best.devices)
     own = subgroup(ctx, members)
-    own = with_payload(own, spec.comm_dtype) if own is not None else None
-    done = time.perf_counter() - t0
     if own is None:
         if isinstance(best.plan, PipelinePlan) and len(members) > 1:
             # the stages make a point-to-point group of their own: every rank takes part
             dist.new_group(
                 members, timeout=datetime.timedelta(seconds=ctx.timeout_s), backend="gloo"
             )
-        return Opened(None, done, given=False, choice=choice, ran=best)
-    session: Session
-    calibrated: list[DeviceProfile] = []
+        return None, []
+    own = with_payload(own, spec.comm_dtype)
     if best.strategy == "single":
-        plan = Plan.single(cfg, ctx.device)
-        session = TPSession(spec.source, plan, own, spec.optim, Strategy.SINGLE)
-    elif best.strategy == "xronos":
+        single = Plan.single(cfg, ctx.device)
+        return TPSession(spec.source, single, own, spec.optim, Strategy.SINGLE), []
+    if best.strategy == "xronos" and plan is not None:
+        return TPSession(spec.source, plan, own, spec.optim, Strategy.XRONOS), []
+    if best.strategy == "xronos":
         chosen = replace(spec, strategy=Strategy.XRONOS)
-        session, calibrated = _calibrated_tp(chosen, own, [measured[r] for r in members], first)
-    elif best.strategy == "tp-even":
+        return _calibrated_tp(chosen, own, [measured[r] for r in members], first)
+    if best.strategy == "tp-even":
         assert isinstance(best.plan, Plan)
-        session = TPSession(spec.source, best.plan, own, spec.optim, Strategy.TP_EVEN)
-    else:
-        assert isinstance(best.plan, PipelinePlan)
-        order = [members.index(r) for r in best.plan.stage_ranks]
-        schedule = spec.strategy if spec.strategy.is_pipeline else Strategy(best.strategy)
-        session = PipelineSession(
-            spec.source,
-            best.plan,
-            own,
-            spec.optim,
-            schedule,
-            timeout_s=ctx.timeout_s,
-            stage_ranks=order,
-        )
-    seconds = time.perf_counter() - t0
-    return Opened(session, seconds, given=False, calibrated=calibrated, choice=choice, ran=best)
+        return TPSession(spec.source, best.plan, own, spec.optim, Strategy.TP_EVEN), []
+    assert isinstance(best.plan, PipelinePlan)
+    order = [members.index(r) for r in best.plan.stage_ranks]
+    schedule = spec.strategy if spec.strategy.is_pipeline else Strategy(best.strategy)
+    pipeline = PipelineSession(
+        spec.source,
+        best.plan,
+        own,
+        spec.optim,
+        schedule,
+        timeout_s=ctx.timeout_s,
+        stage_ranks=order,
+    )
+    return pipeline, []

@@ -96,7 +96,14 @@ def _emit_plan(ctx: WorkerContext, opened: Opened, profiles: Profiles) -> None:
     if s is None or not _lead(s):
         return
     if opened.choice is not None and opened.ran is not None:
-        ctx.emit({"kind": "auto", "choice": opened.choice.to_dict(), "ran": opened.ran.to_dict()})
+        ctx.emit(
+            {
+                "kind": "auto",
+                "choice": opened.choice.to_dict(),
+                "ran": opened.ran.to_dict(),
+                "trials": opened.trials,
+            }
+        )
     kind = "pipeline" if s.strategy.is_pipeline else "plan"
     ctx.emit(
         {
