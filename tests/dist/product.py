@@ -19,6 +19,17 @@ from xronos.train.optim import OptimConfig
 from xronos.train.session import Strategy
 from xronos.train.source import ModelSource
 
+CFG = ModelConfig(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    tie_word_embeddings=True,
+)
+"""The exactness tests' model: 2 layers, 4 query heads in 2 KV groups, tied embeddings."""
+
 
 def job(
     cfg: ModelConfig,

@@ -16,7 +16,6 @@ import torch
 
 from tests.dist import product
 from tests.dist.world import WorkerContext, run_world
-from xronos.config import ModelConfig
 from xronos.planner import SEGMENTS
 from xronos.planner.comm import LinkModel, tp_traffic
 from xronos.planner.profile import CostCurve, DeviceProfile
@@ -29,15 +28,7 @@ from xronos.train.session import Strategy
 LOSS_RTOL = 1e-4
 PARAM_ATOL = 1e-4
 
-CFG = ModelConfig(
-    vocab_size=100,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    tie_word_embeddings=True,
-)
+CFG = product.CFG
 
 
 def _profile(name: str, speed: float, bandwidth: float) -> DeviceProfile:

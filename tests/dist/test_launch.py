@@ -26,8 +26,14 @@ def _pairs(ctx: WorkerContext, _: None) -> dict[str, torch.Tensor]:
     b = (x * (ctx.rank + 1)).requires_grad_(True)
     z = reduce_from_tp(b, ctx.group)
     z.backward(dy)
-    return {"copy_fwd": y.detach(), "copy_bwd": a.grad, "reduce_fwd": z.detach(),
-            "reduce_bwd": b.grad, "dy": dy, "x": x}
+    return {
+        "copy_fwd": y.detach(),
+        "copy_bwd": a.grad,
+        "reduce_fwd": z.detach(),
+        "reduce_bwd": b.grad,
+        "dy": dy,
+        "x": x,
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -45,8 +45,13 @@ STEPS = 4
 
 def _cfg(tied: bool) -> ModelConfig:
     return ModelConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-        num_kv_heads=2, tie_word_embeddings=tied,
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        tie_word_embeddings=tied,
     )
 
 
@@ -255,7 +260,14 @@ def test_schedules_complete_and_bound_memory(strategy: str) -> None:
 
 def test_one_f_one_b_order() -> None:
     assert [f"{a.kind}{a.mb}" for a in one_f_one_b(0, 3, 4)] == [
-        "F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3",
+        "F0",
+        "F1",
+        "F2",
+        "B0",
+        "F3",
+        "B1",
+        "B2",
+        "B3",
     ]
     assert [f"{a.kind}{a.mb}" for a in one_f_one_b(2, 3, 2)] == ["F0", "B0", "F1", "B1"]
 

@@ -28,15 +28,7 @@ LOSS_RTOL = 1e-4
 PARAM_ATOL = 1e-4
 PARAM_RTOL = 1e-4
 
-CFG = ModelConfig(
-    vocab_size=100,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    tie_word_embeddings=True,
-)
+CFG = product.CFG
 UNTIED = dataclasses.replace(CFG, tie_word_embeddings=False)
 
 
