@@ -67,8 +67,9 @@ class RunConfig:
     emulate: bool = True
     """Run each device's worker inside its emulated limits."""
     network: bool | None = None
-    """Emulate each device's link (network namespaces + tc; needs root and iproute2).
-    Default: on when the cluster declares links; --no-network talks over loopback."""
+    """Emulate each device's link (network namespaces + tc where possible, else rate and
+    latency in the communication layer, reported). Default: on when the cluster declares
+    links; --no-network talks over loopback."""
     bandwidth: str | None = None
     """Give every device a link of this bandwidth, e.g. 1Gbit or 200Mbit (turns the network
     emulation on)."""
@@ -83,6 +84,9 @@ class RunConfig:
     comm_dtype: str = "fp32"
     """Dtype of the tensor-parallel activation all-reduces on the wire: fp32 (exact) or
     bf16 (half the bytes; each device's partial sum rounded to bf16 before adding)."""
+    overlap: bool = False
+    """Tensor parallelism runs each batch as two halves at once, one computing while the
+    other's all-reduce is in flight (needs a batch of 2 or more)."""
     full: bool | None = None
     """Fine-tune every weight instead of LoRA adapters (default: full for a preset, whose
     weights are random, LoRA for a pretrained Hugging Face model)."""

@@ -36,3 +36,36 @@ def _alone(ctx: WorkerContext, _: None) -> tuple[Any, Any]:
 
 def test_one_rank_measures_no_link() -> None:
     assert run_world(_alone, 1) == [(None, None)]
+
+
+def _sync(ctx: WorkerContext, late_s: float) -> float:
+    import time
+
+    import torch.distributed as dist
+
+    import xronos.profiler.run as run
+
+    real = dist.all_reduce
+    calls = [0]
+
+    def late(*args: Any, **kwargs: Any) -> Any:  # rank 1 is late at every other barrier
+        calls[0] += 1
+        if ctx.rank == 1 and calls[0] % 2:
+            time.sleep(late_s)
+        return real(*args, **kwargs)
+
+    run.dist.all_reduce = late  # type: ignore[attr-defined]
+    try:
+        return run.measure_sync(ctx.group, round_s=0.005)
+    finally:
+        run.dist.all_reduce = real  # type: ignore[attr-defined]
+
+
+def test_the_barrier_cost_is_the_mean_wait_for_a_late_device() -> None:
+    # Rank 1 sleeps 20 ms before every other all-reduce of the synced rounds (and of the
+    # latency probe, whose minimum ignores it): 10 ms per round on average that rank 0
+    # waits. Sleeps never end early; a busy host only adds, or shortens the difference by
+    # slowing the alone rounds, by a few ms at most — hence the 5 ms floor.
+    assert all(s >= 0.005 for s in run_world(_sync, 2, 0.02))
+    # the same measurement with nobody late sees no such wait
+    assert all(s < 0.005 for s in run_world(_sync, 2, 0.0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -265,3 +266,39 @@ def test_the_search_bound_never_exceeds_the_best_step(
 ) -> None:
     num_layers, costs = case
     assert lower_bound(num_layers, costs, m) <= brute_step(num_layers, costs, m) + 1e-9
+
+
+def test_cutting_the_batch_costs_each_micro_batch_its_split_share() -> None:
+    # A layer of 1 s for the whole batch, of which 0.3 s is paid per pass however small:
+    # k micro-batches cost 1/k of the batch plus (1 - 1/k) of that 0.3 s each.
+    d = StageDevice(
+        StageCosts(name="a", layer_s=1.0, head_s=2.0, layer_split_s=0.3, head_split_s=0.5),
+        None,
+        (0,),
+    )
+    for k in (1, 2, 4):
+        (c,) = stage_costs_for([d], fraction=1 / k, act_bytes=0.0)
+        assert c.layer_s == pytest.approx(1.0 / k + 0.3 * (1 - 1 / k))
+        assert c.head_s == pytest.approx(2.0 / k + 0.5 * (1 - 1 / k))
+        # all k micro-batches: the whole batch plus (k - 1) extra passes
+        assert k * c.layer_s == pytest.approx(1.0 + 0.3 * (k - 1))
+
+
+def test_costly_passes_make_the_search_cut_the_batch_less() -> None:
+    free = [stage_device("a", 0, 1.0), stage_device("b", 1, 1.0)]
+    costly = [replace(d, costs=replace(d.costs, layer_split_s=0.9, head_split_s=0.9)) for d in free]
+    cheap = search_pipeline(8, free, batch_size=8, grad_accum=1, act_bytes=1e4)
+    dear = search_pipeline(8, costly, batch_size=8, grad_accum=1, act_bytes=1e4)
+    assert cheap is not None and dear is not None
+    assert dear.num_microbatches < cheap.num_microbatches
+
+
+def test_the_tied_gradient_swap_is_paid_once_per_step_over_the_end_stages_link() -> None:
+    devices = [stage_device("a", 0, 1.0), stage_device("b", 1, 1.0)]
+    plain = search_pipeline(8, devices, batch_size=4, grad_accum=1, act_bytes=1e4)
+    tied = search_pipeline(8, devices, batch_size=4, grad_accum=1, act_bytes=1e4, tied_bytes=2e6)
+    assert plain is not None and tied is not None
+    # one message of 2 MB over two links of 1 ms and 1 MB/s: 2 ms + 2 s
+    swap = LinkModel(1e-3, 1e6).p2p_s(0.0) * 2 + 2e6 / 1e6
+    assert tied.step_extra_s == pytest.approx(swap)
+    assert tied.predicted_step_s == pytest.approx(plain.predicted_step_s + swap)

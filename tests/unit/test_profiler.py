@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
@@ -178,7 +179,7 @@ def test_measure_segments_fits_what_it_measured(
 ) -> None:
     monkeypatch.setattr(measure, "best_time", flops_of)
     shape = replace(SHAPE, lora=lora)
-    curves, _ = measure_segments(shape, repeats=1)
+    curves = measure_segments(shape, repeats=1).curves
     assert set(curves) == {"attn", "mlp", "vocab"}
     totals = segment_units(shape.cfg, shape.mlp_chunk, shape.vocab_chunk)
     layers, q = shape.cfg.num_layers, shape.cfg.q_per_kv
@@ -196,3 +197,64 @@ def test_measure_segments_fits_what_it_measured(
             # fit_line divides and subtracts counts of up to ~1e9: a few ulps of that
             assert curve(u) == pytest.approx(want, rel=1e-9), (seg, u)
         assert curve(totals[seg]) > curve(1) > curve(0) == 0.0
+
+
+def test_split_cost_is_what_one_more_pass_adds_scaled_to_the_whole_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A clock that charges every forward pass a fixed PASS on top of its FLOPs: cutting
+    # the batch in two leaves the FLOPs alone and adds exactly one PASS, measured at the
+    # larger unit point and scaled to every unit of every layer.
+    PASS = 1e6
+    passes = [0]
+    real_out = measure.module_out
+
+    def counting_out(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        passes[0] += 1
+        return real_out(module, x)
+
+    def clock(fn: Callable[[], None], repeats: int = 2, warmup: int = 0) -> float:
+        passes[0] = 0
+        flops = flops_of(fn)
+        return flops + PASS * passes[0]
+
+    monkeypatch.setattr(measure, "module_out", counting_out)
+    monkeypatch.setattr(measure, "best_time", clock)
+    times = measure_segments(SHAPE, repeats=1)
+    totals = segment_units(SHAPE.cfg, SHAPE.mlp_chunk, SHAPE.vocab_chunk)
+    layers = SHAPE.cfg.num_layers
+    for seg in ("attn", "mlp", "vocab"):
+        step = SHAPE.cfg.q_per_kv if seg == "attn" else 1
+        u = unit_points(totals[seg], step)[-1]
+        scale = totals[seg] / u * (1 if seg == "vocab" else layers)
+        # FlopCounter counts are exact integers; only the float scaling rounds
+        assert times.split_s[seg] == pytest.approx(PASS * scale, rel=1e-9), seg
+    one = measure_segments(replace(SHAPE, batch_size=1), repeats=1)
+    assert one.split_s == {"attn": 0.0, "mlp": 0.0, "vocab": 0.0}  # one sequence: no cut
+
+
+def test_segments_are_scaled_to_a_whole_real_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    import xronos.profiler.run as run
+    from xronos.comm.mappings import TPGroup
+    from xronos.planner.profile import CostCurve
+    from xronos.profiler.measure import SegmentTimes
+
+    parts = SegmentTimes(
+        {"attn": CostCurve(0.01, 0.002), "mlp": CostCurve(0.0, 0.001), "vocab": CostCurve(0, 1e-4)},
+        0.05,
+        {"attn": 0.01, "mlp": 0.02, "vocab": 0.0},
+    )
+    totals = segment_units(SHAPE.cfg, SHAPE.mlp_chunk, SHAPE.vocab_chunk)
+    parts_sum = parts.replicated_s + sum(c(totals[s]) for s, c in parts.curves.items())
+    # a real step 1.5 times the parts' sum: every cost grows by 1.5
+    monkeypatch.setattr(run, "time_whole_step", lambda shape: 1.5 * parts_sum)
+    got = run.scaled(parts, SHAPE, TPGroup(), None)
+    assert got.scale == pytest.approx(1.5)
+    assert got.replicated_s == pytest.approx(0.075)
+    assert got.curves["attn"].a == pytest.approx(0.015) and got.curves["mlp"].b == pytest.approx(
+        0.0015
+    )
+    assert got.split_s["mlp"] == pytest.approx(0.03)
+    # a device whose parts promise more than the limit does not time a whole step
+    monkeypatch.setattr(run, "WHOLE_STEP_MAX_S", parts_sum / 2)
+    assert run.scaled(parts, SHAPE, TPGroup(), None).scale == 1.0

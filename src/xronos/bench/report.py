@@ -1,4 +1,11 @@
-"""From the workers' logs to ``bench.json`` (DESIGN §7), the table and ``bench.png``."""
+"""From the workers' logs to ``bench.json`` (DESIGN §7), the table and ``bench.png``.
+
+Every strategy asked for has an entry; one that could not fit the devices' memory has
+only ``infeasible`` (why: its predicted resident memory against the cap, MiB), its
+``predicted_memory_mb`` and no measurements. ``peak_rss_mb`` is per device, the strategy's
+own peak; ``predicted_memory_mb`` is the memory model's figure for the same processes;
+``memory`` says how both were obtained (runtime, caps requested and enforced, schedule).
+"""
 
 from __future__ import annotations
 
@@ -62,15 +69,25 @@ def build_report(
         "ideal_step_time_s": 0.0,
         "strategies": {},
     }
-    for name, log in out.logs.items():
-        entry = strategy_entry(name, log, scenario)
-        entry["peak_rss_mb"] = out.peak_rss_mb
-        entry["plan"] = log.plan
+    for name in out.strategies or tuple(out.logs):
+        log = out.logs.get(name)
+        if log is None:  # infeasible: never opened
+            entry = {
+                "feasible": False,
+                "infeasible": out.infeasible.get(name, "not run"),
+                "plan": None,
+            }
+        else:
+            entry = {"feasible": True, **strategy_entry(name, log, scenario), "plan": log.plan}
+        entry["peak_rss_mb"] = out.strategy_peak_mb.get(name) if log is not None else None
+        entry["start_rss_mb"] = out.strategy_start_mb.get(name) if log is not None else None
+        entry["predicted_memory_mb"] = out.predicted_memory_mb.get(name)
         entry["predicted_step_time_s"] = out.predicted_step_time_s.get(name)
         if name is Strategy.AUTO and out.auto is not None:
             entry["chosen"] = out.auto["chosen_strategy"]
             entry["auto"] = out.auto
         result["strategies"][name.value] = entry
+    result["memory"] = {**out.memory, "process_peak_rss_mb": out.peak_rss_mb}
     solo = out.solo_step_time_s
     result["solo_step_time_s"] = {d.name: t for d, t in zip(cluster.devices, solo, strict=True)}
     single = result["strategies"].get("single", {}).get("step_time_s") or solo[fastest]
@@ -79,7 +96,9 @@ def build_report(
     ideal = ideal_step_time(known) if len(known) == len(solo) else None
     result["ideal_step_time_s"] = ideal
     for entry in result["strategies"].values():
-        step = entry["step_time_s"]
+        step = entry.get("step_time_s")
+        if step is None:
+            continue
         entry["efficiency"] = efficiency(ideal, step) if ideal else None
         entry["speedup_vs_single"] = single / step if single else None
     result.update(meta)

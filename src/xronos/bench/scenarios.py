@@ -39,6 +39,16 @@ SCENARIOS = {
             description="2 devices on a 2-core host: 1 core at 100 %, 1 core at 40 % quota",
         ),
         Scenario(
+            name="ci-2dev-mem",
+            cluster="ci-2dev-mem",
+            model="small",
+            batch_size=4,
+            seq_len=64,
+            steps=8,
+            warmup=2,
+            description="ci-2dev with 740 MiB per device: neither holds the fine-tuning alone",
+        ),
+        Scenario(
             name="edge-3dev",
             cluster="edge-3dev",
             model="small",

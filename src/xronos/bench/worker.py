@@ -18,65 +18,51 @@ extrapolated (the fastest device's is the ``single`` strategy's when that runs).
 After the timed rounds each session replays its last step's compute with no
 communication in flight (:meth:`~xronos.train.session.Session.isolated_compute`), for
 the computation-stall ratio.
+
+Memory (:mod:`xronos.bench.memory`): before anything runs, each device measures its
+runtime and every strategy's need is predicted from the profiles; a strategy whose plan
+cannot fit the devices' caps is reported infeasible, with the reason, and never opened.
+When some capped device could not hold all the others' parts at once, the strategies take
+turns instead of interleaving: each is opened, run for all its steps and closed, its
+memory released before the next opens (every strategy sees the same batches all the
+same), and its peak covers its whole turn, opening included. Taking turns, a
+tensor-parallel session skips the stall measurement (its twin would double the shard),
+and ``auto``'s trials hold one candidate at a time; the solo steps run last, on the devices
+that can hold the whole model.
 """
 
 from __future__ import annotations
 
-import resource
-import statistics
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from xronos.bench.memory import (
+    Verdict,
+    plan_from_dict,
+    plan_needs,
+    take_turns,
+    verdicts,
+)
+from xronos.bench.steps import BenchJob, Run, StrategyLog, solo_medians
 from xronos.comm.launch import WorkerContext
-from xronos.comm.mappings import TPGroup
-from xronos.metrics.recorder import SpanRecorder
-from xronos.metrics.records import Span, StepRecord
-from xronos.planner.auto import plan_auto
-from xronos.planner.plan import Plan
+from xronos.metrics.rss import (
+    MIB,
+    PeakRSS,
+    cgroup_peak,
+    enforced_cap,
+    release,
+    resident_bytes,
+)
+from xronos.parallel.shard import build_meta
+from xronos.planner.auto import AutoChoice, plan_auto
+from xronos.planner.memory import tp_need, within_caps
+from xronos.planner.plan import Plan, segment_units
 from xronos.planner.profile import DeviceProfile
 from xronos.planner.solve import predict
-from xronos.run.sessions import Opened, Profiles, ProfileSource, SessionSpec, open_session
-from xronos.train.batches import Batch, RandomBatches, label_count
-from xronos.train.loop import STEP_END, run_step
-from xronos.train.session import Session, Strategy
-from xronos.train.tp import compute_gaps
+from xronos.run.sessions import Profiles
+from xronos.train.session import Strategy
 
-ISOLATED_REPEATS = 3
-"""Isolated re-runs of the last step per strategy; the stall ratio compares the mean
-isolated span with the mean of the same span over every counted step."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class BenchJob:
-    spec: SessionSpec
-    """The workload (its ``strategy`` is replaced by each of ``strategies``)."""
-    strategies: tuple[Strategy, ...]
-    steps: int
-    """Counted steps per strategy."""
-    warmup: int
-    """Uncounted steps per strategy before them."""
-    profiles: ProfileSource
-    fastest: int
-    """The rank that runs ``single``."""
-    solo: bool = True
-    """Measure every device running the whole model alone (for the ideal step time)."""
-    seed: int = 0
-
-
-@dataclass
-class StrategyLog:
-    """What rank 0 keeps of one strategy's steps."""
-
-    records: list[list[StepRecord]] = field(default_factory=list)
-    """Every rank's record, per step."""
-    losses: list[float] = field(default_factory=list)
-    observed: list[Span] = field(default_factory=list)
-    """Compute spans of the counted steps, every rank's."""
-    isolated: list[Span] = field(default_factory=list)
-    """The same spans with no communication in flight, every rank's."""
-    plan: dict[str, object] = field(default_factory=dict)
-    """What the session describes (a Plan or a PipelinePlan as a dict)."""
-    tokens: int = 0
-    """Label tokens per step (:func:`~xronos.train.batches.label_count`)."""
+__all__ = ["BenchJob", "BenchOutput", "StrategyLog", "bench_worker"]
 
 
 @dataclass
@@ -84,6 +70,7 @@ class BenchOutput:
     """Rank 0's result of a bench run."""
 
     logs: dict[Strategy, StrategyLog]
+    """The strategies that ran (an infeasible one has none)."""
     measured: list[DeviceProfile]
     """Profiles as measured (or read from the cache): what the cache keeps."""
     calibrated: list[DeviceProfile]
@@ -92,125 +79,164 @@ class BenchOutput:
     """Profiling + planning + calibration of the xronos strategy."""
     profile_s: float
     peak_rss_mb: list[float]
+    """Per device: the process's lifetime peak (every strategy and the solo steps)."""
     solo_step_time_s: list[float | None]
     """Per device: median counted step running the whole model alone (None: not run)."""
     predicted_step_time_s: dict[Strategy, float | None] = field(default_factory=dict)
     """What the planner's model (communication included) predicted for each strategy."""
     auto: dict[str, object] | None = None
     """``auto``'s candidates, its pick (``chosen``) and what ran."""
+    strategy_peak_mb: dict[Strategy, list[float]] = field(default_factory=dict)
+    """Per strategy that ran, per device: peak resident memory during its steps (taking
+    turns: during its whole turn)."""
+    strategy_start_mb: dict[Strategy, list[float]] = field(default_factory=dict)
+    """Per strategy that ran, per device: resident memory as it began (what earlier turns
+    left behind shows here)."""
+    predicted_memory_mb: dict[Strategy, list[float] | None] = field(default_factory=dict)
+    """Per strategy, per device: the memory model's resident memory (runtime included)."""
+    infeasible: dict[Strategy, str] = field(default_factory=dict)
+    """Strategies not run because their plan cannot fit the caps, and why."""
+    memory: dict[str, object] = field(default_factory=dict)
+    """Runtime, caps (requested and enforced), schedule and how peaks were measured."""
+    strategies: tuple[Strategy, ...] = ()
+    """Every strategy asked for, in order (run or not)."""
 
 
-def _observed(session: Session, rec: StepRecord, rank: int) -> list[Span]:
-    """This rank's compute spans of one step, named to match its isolated replay."""
-    if session.strategy.is_pipeline:
-        return _ranked(rec.computes, rank)
-    c = rec.collectives
-    if c and c[-1].name == STEP_END:  # the replay has no step.end: end the step there
-        rec = replace(rec, collectives=c[:-1], end=c[-1].arrive)
-    return compute_gaps(rec)
+@dataclass
+class _Memory:
+    """What every rank decided about memory before the strategies run."""
+
+    caps: list[int | None]
+    runtime: list[int]
+    """Per device: resident bytes of its process with no model alive."""
+    enforced: list[int | None]
+    """Per device: the cap the kernel enforces on its process."""
+    profiles: list[DeviceProfile] | None
+    """The measured profiles with each cap less the runtime as usable memory."""
+    choice: AutoChoice | None
+    found: dict[Strategy, Verdict]
+    solo: list[bool]
+    """Per device: whether it can run the whole model alone."""
+    in_turn: bool
 
 
-def _ranked(spans: tuple[Span, ...] | list[Span], rank: int) -> list[Span]:
-    """Span names made unique across ranks (stall ratios match spans by name)."""
-    return [Span(f"{rank}/{s.name}", s.start, s.end, s.kind) for s in spans]
-
-
-def _open(
-    job: BenchJob, s: Strategy, ctx: WorkerContext, profiles: Profiles, first: list[Batch]
-) -> Opened | None:
-    """Open strategy ``s``'s session (None on a rank that has no part in it)."""
-    spec = replace(job.spec, strategy=s)
-    if s is not Strategy.SINGLE:
-        return open_session(spec, ctx, ctx.group, profiles.get, first)
-    if ctx.rank != job.fastest:
-        return None
-    solo = WorkerContext(0, 1, ctx.device, TPGroup(), ctx.timeout_s, (ctx.device,))
-    return open_session(spec, solo, TPGroup(), profiles.get, first)
-
-
-def bench_worker(ctx: WorkerContext, job: BenchJob) -> BenchOutput | None:
+def _memory_setup(ctx: WorkerContext, job: BenchJob, profiles: Profiles) -> _Memory:
+    """Profile, measure every device's runtime, predict each strategy's need (collective)."""
     cfg, shape = job.spec.source.cfg, job.spec.shape
-    profiles = Profiles(ctx, shape, job.profiles)
-    data = RandomBatches(cfg.vocab_size, shape.batch_size, shape.seq_len, seed=job.seed)
-    first = data.peek()
-    sessions: dict[Strategy, Session | None] = {}
-    planning_s, calibrated, auto = 0.0, None, None
-    for s in job.strategies:
-        opened = _open(job, s, ctx, profiles, first)
-        sessions[s] = opened.session if opened else None
-        if s is Strategy.XRONOS and opened is not None:
-            planning_s, calibrated = opened.seconds, opened.calibrated
-        if s is Strategy.AUTO and opened is not None and opened.choice and opened.ran:
-            auto = {
-                **opened.choice.to_dict(),
-                "ran": opened.ran.to_dict(),
-                "chosen_strategy": opened.ran.strategy,
-                "predicted_best": opened.choice.chosen.strategy,
-                "trials": opened.trials,
-                "seconds": opened.seconds,
-            }
-    logs = {s: StrategyLog() for s in job.strategies}
-    solo = _solo_session(job, ctx, profiles, first, Strategy.SINGLE in job.strategies)
-    solo_times: list[list[float]] = [[] for _ in range(ctx.world_size)]
-    micro: list[Batch] = []
-    n = len(job.strategies)
-    for step in range(job.warmup + job.steps):
-        micro = data.next_step()
-        k = step % n
-        for s in job.strategies[k:] + job.strategies[:k]:
-            _step(sessions[s], micro, ctx, logs[s], counted=step >= job.warmup)
-        if job.solo:
-            for r, t in enumerate(_solo_step(solo, micro, ctx)):
-                if t is not None and step >= job.warmup:
-                    solo_times[r].append(t)
-    if solo is not None:
-        solo.close()
-    for s in job.strategies:
-        _isolated(sessions[s], micro, ctx, logs[s])
-        session = sessions[s]
-        described = ctx.group.gather_object(session.describe() if session else None)
-        logs[s].plan = next(d for d in described if d is not None)
-        if session is not None:
-            session.close()
-    rss = ctx.group.gather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    if ctx.rank != 0:
-        return None
-    measured = profiles.measured or []
-    return BenchOutput(
-        logs=logs,
-        measured=measured,
-        calibrated=calibrated or measured,
-        planning_s=planning_s,
-        profile_s=profiles.seconds,
-        peak_rss_mb=rss,
-        solo_step_time_s=_solo_medians(solo_times, logs, job),
-        predicted_step_time_s=predictions(job, measured, calibrated, logs, auto),
-        auto=auto,
-    )
-
-
-def predictions(
-    job: BenchJob,
-    measured: list[DeviceProfile],
-    calibrated: list[DeviceProfile] | None,
-    logs: dict[Strategy, StrategyLog],
-    auto: dict[str, object] | None,
-) -> dict[Strategy, float | None]:
-    """Each strategy's predicted step from the profiles (communication included): the
-    planner's own candidates for single, tp-even and the pipelines; the calibrated plan
-    for xronos; what ran for auto."""
-    if not measured:
-        return {}
-    shape = job.spec.shape
+    caps = list(job.profiles.memory_caps)
+    planned = set(job.strategies) - {Strategy.SINGLE, Strategy.TP_EVEN}
+    measured = profiles.get() if planned or any(c is not None for c in caps) else None
+    build_meta(cfg)  # load what building a model loads, so that it counts as runtime
+    release()
+    runtime = [int(b) for b in ctx.group.gather_object(resident_bytes())]
+    enforced = list(ctx.group.gather_object(enforced_cap()))
+    n = ctx.world_size
+    if measured is None:
+        found = {s: Verdict(None) for s in job.strategies}
+        return _Memory(caps, runtime, enforced, None, None, found, [True] * n, False)
+    view = within_caps(measured, caps, runtime)
     choice = plan_auto(
-        job.spec.source.cfg,
-        measured,
+        cfg,
+        view,
         batch_size=shape.batch_size,
         seq_len=shape.seq_len,
         grad_accum=job.spec.grad_accum,
         mlp_chunk=shape.mlp_chunk,
         vocab_chunk=shape.vocab_chunk,
     )
+    totals = segment_units(cfg, shape.mlp_chunk, shape.vocab_chunk)
+    found = verdicts(job.strategies, choice, cfg, view, totals, caps, runtime, job.fastest)
+    whole = [tp_need(p, totals) for p in view]
+    solo = [c is None or rt + w <= c for c, rt, w in zip(caps, runtime, whole, strict=True)]
+    single = Strategy.SINGLE in job.strategies and found[Strategy.SINGLE].feasible
+    solo_bytes = [
+        w if ok and job.solo and not (single and r == job.fastest) else 0
+        for r, (w, ok) in enumerate(zip(whole, solo, strict=True))
+    ]
+    in_turn = take_turns(found, caps, runtime, solo_bytes)
+    return _Memory(caps, runtime, enforced, view, choice, found, solo, in_turn)
+
+
+def bench_worker(ctx: WorkerContext, job: BenchJob) -> BenchOutput | None:
+    profiles = Profiles(ctx, job.spec.shape, job.profiles)
+    mem = _memory_setup(ctx, job, profiles)
+    view = mem.profiles
+    get: Callable[[], list[DeviceProfile]] = profiles.get if view is None else lambda: view
+    runs = tuple(s for s in job.strategies if mem.found[s].feasible)
+    peak = PeakRSS()
+    run = Run(job, ctx, get, peak, {s: StrategyLog() for s in runs})
+    schedule = run.in_turn if mem.in_turn else run.interleaved
+    solo_times = schedule(runs, mem.solo)
+    peaks = ctx.group.gather_object(dict(run.peaks))
+    starts = ctx.group.gather_object(dict(run.starts))
+    lifetime = ctx.group.gather_object(peak.overall_bytes() / MIB)
+    charged = ctx.group.gather_object(cgroup_peak())
+    if ctx.rank != 0:
+        return None
+    measured = profiles.measured or []
+    calibrated = run.calibrated or view or measured
+    return BenchOutput(
+        logs=run.logs,
+        measured=measured,
+        calibrated=calibrated,
+        planning_s=run.planning_s,
+        profile_s=profiles.seconds,
+        peak_rss_mb=lifetime,
+        solo_step_time_s=solo_medians(solo_times, run.logs, job),
+        predicted_step_time_s=predictions(job, mem.choice, calibrated, run.logs, run.auto),
+        auto=run.auto,
+        strategy_peak_mb={s: [p[s] / MIB for p in peaks] for s in runs},
+        strategy_start_mb={s: [p[s] / MIB for p in starts] for s in runs},
+        predicted_memory_mb=_predicted_memory(job, mem, run.logs, view),
+        infeasible={s: v.reason for s, v in mem.found.items() if not v.feasible},
+        memory={
+            "runtime_mb": [b / MIB for b in mem.runtime],
+            "cap_mb": [None if c is None else c / MIB for c in mem.caps],
+            "enforced_cap_mb": [None if c is None else c / MIB for c in mem.enforced],
+            "schedule": "in turn" if mem.in_turn else "interleaved",
+            "peak_rss": peak.note,
+            "cgroup_peak_mb": [None if b is None else b / MIB for b in charged],
+        },
+        strategies=job.strategies,
+    )
+
+
+def _predicted_memory(
+    job: BenchJob,
+    mem: _Memory,
+    logs: dict[Strategy, StrategyLog],
+    view: list[DeviceProfile] | None,
+) -> dict[Strategy, list[float] | None]:
+    """Runtime plus the model's part of the plan that ran (of the planned one where the
+    strategy did not run)."""
+    if view is None:
+        return {}
+    cfg, shape = job.spec.source.cfg, job.spec.shape
+    totals = segment_units(cfg, shape.mlp_chunk, shape.vocab_chunk)
+    out: dict[Strategy, list[float] | None] = {}
+    for s in job.strategies:
+        plan = plan_from_dict(logs[s].plan) if s in logs else None
+        need = plan_needs(cfg, view, plan, totals) if plan is not None else mem.found[s].need_bytes
+        out[s] = (
+            None
+            if need is None
+            else [(rt + n) / MIB for rt, n in zip(mem.runtime, need, strict=True)]
+        )
+    return out
+
+
+def predictions(
+    job: BenchJob,
+    choice: AutoChoice | None,
+    calibrated: list[DeviceProfile],
+    logs: dict[Strategy, StrategyLog],
+    auto: dict[str, object] | None,
+) -> dict[Strategy, float | None]:
+    """Each strategy's predicted step from the profiles (communication included): the
+    planner's own candidates for single, tp-even and the pipelines; the calibrated plan
+    for xronos; what ran for auto."""
+    if choice is None:
+        return {}
 
     def candidate(name: str, devices: tuple[int, ...] | None = None) -> float | None:
         for c in choice.candidates:
@@ -226,90 +252,10 @@ def predictions(
             out[s] = candidate("tp-even")
         elif s.is_pipeline:
             out[s] = candidate("pp-1f1b")
-        elif s is Strategy.XRONOS:
+        elif s is Strategy.XRONOS and s in logs:
             plan = Plan.from_dict(dict(logs[s].plan))
-            out[s] = float(predict(plan, calibrated or measured)["step_time_s"])
+            out[s] = float(predict(plan, calibrated)["step_time_s"])
         elif s is Strategy.AUTO and auto is not None:
             ran = auto["ran"]
             out[s] = ran.get("predicted_step_s") if isinstance(ran, dict) else None
     return out
-
-
-def _solo_session(
-    job: BenchJob, ctx: WorkerContext, profiles: Profiles, first: list[Batch], have_single: bool
-) -> Session | None:
-    """This device's whole model, alone (None where ``single`` already measures it)."""
-    if not job.solo or (have_single and ctx.rank == job.fastest):
-        return None
-    spec = replace(job.spec, strategy=Strategy.SINGLE)
-    solo = WorkerContext(0, 1, ctx.device, TPGroup(), ctx.timeout_s, (ctx.device,))
-    return open_session(spec, solo, TPGroup(), profiles.get, first).session
-
-
-def _solo_step(
-    session: Session | None, micro: list[Batch], ctx: WorkerContext
-) -> list[float | None]:
-    """Each device in turn runs one step of its whole model while the others wait; every
-    device's step time (None where it has no solo session), on every rank."""
-    out: list[float | None] = []
-    for r in range(ctx.world_size):
-        ctx.group.barrier()
-        t: float | None = None
-        if r == ctx.rank and session is not None:
-            rec = SpanRecorder(ctx.rank, ctx.device)
-            outcome = run_step(session, micro, TPGroup(), rec)
-            t = outcome.records[0].duration if outcome.records else None
-        out.append(ctx.group.gather_object(t)[r])
-    return out
-
-
-def _solo_medians(
-    times: list[list[float]], logs: dict[Strategy, StrategyLog], job: BenchJob
-) -> list[float | None]:
-    out: list[float | None] = [statistics.median(t) if t else None for t in times]
-    single = logs.get(Strategy.SINGLE)
-    if single is not None and single.records:
-        counted = [r[0].duration for r in single.records[job.warmup :] if r]
-        out[job.fastest] = statistics.median(counted) if counted else None
-    return out
-
-
-def _step(
-    session: Session | None, micro: list[Batch], ctx: WorkerContext, log: StrategyLog, counted: bool
-) -> None:
-    """One step of one strategy on every rank (those without a part in it wait)."""
-    group = ctx.group
-    group.barrier()
-    rec = SpanRecorder(ctx.rank, ctx.device, enabled=session is not None)
-    mine: StepRecord | None = None
-    loss = float("nan")
-    records: list[StepRecord] = []
-    if session is not None:
-        own = session.group
-        outcome = run_step(session, micro, own, rec, end_collective=own.size > 1)
-        loss, records = outcome.result.loss, outcome.records
-        mine = next((r for r in records if r.rank == ctx.rank), None)
-        if mine is not None and counted:
-            log.observed += _observed(session, mine, ctx.rank)
-    if session is None or session.group.size < group.size:  # some ranks had no part
-        records = [r for r in group.gather_object(mine) if r is not None]
-        loss = next(x for x in group.gather_object(loss) if x == x)
-    if ctx.rank == 0:
-        log.records.append(records)
-        log.losses.append(loss)
-        log.tokens = label_count(micro)
-
-
-def _isolated(
-    session: Session | None, micro: list[Batch], ctx: WorkerContext, log: StrategyLog
-) -> None:
-    spans: list[Span] = []
-    for _ in range(ISOLATED_REPEATS):
-        ctx.group.barrier()
-        if session is not None:
-            got = session.isolated_compute(micro)
-            spans += got if not session.strategy.is_pipeline else _ranked(got, ctx.rank)
-    both = ctx.group.gather_object((log.observed, spans))
-    if ctx.rank == 0:
-        log.observed = [s for o, _ in both for s in o]
-        log.isolated = [s for _, i in both for s in i]

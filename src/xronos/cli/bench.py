@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from xronos.bench import crossover
+from xronos.bench.crossover import EXAMPLE, parse_links
 from xronos.bench.report import build_report, write_outputs
-from xronos.bench.scenarios import SCENARIOS, get_scenario
+from xronos.bench.scenarios import SCENARIOS, Scenario, get_scenario
 from xronos.bench.worker import BenchJob, BenchOutput, bench_worker
 from xronos.emulation import load_cluster
 from xronos.emulation.cluster import LinkRequest
@@ -27,6 +30,10 @@ from xronos.train.source import ModelSource
 
 ALL = ("auto", "xronos", "tp-even", "pp-gpipe", "pp-1f1b", "single")
 """The default strategies, in the order they take turns and are tabled."""
+CHECKPOINT_LORA_RANK = 8
+"""LoRA rank of a ``--model`` checkpoint without ``--lora-rank`` (as ``xronos finetune``)."""
+MECHANISMS = ("cpu quota", "cpu sets", "memory cap", "network")
+"""The report's lines that say which mechanism emulates what (kept in ``bench.json``)."""
 
 
 def register(sub: Any) -> None:
@@ -38,6 +45,17 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--out", default="runs/bench", help="output directory (default: %(default)s)")
     p.add_argument(
+        "--model",
+        help="preset, Hugging Face model directory or .gguf file to run instead of the "
+        "scenario's model",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        help="LoRA rank (0: full fine-tuning); default: the scenario's for a preset, "
+        f"{CHECKPOINT_LORA_RANK} for a --model directory or .gguf file",
+    )
+    p.add_argument(
         "--strategies", default=",".join(ALL), help="comma-separated (default: %(default)s)"
     )
     p.add_argument("--steps", type=int, help="counted steps per strategy (scenario default)")
@@ -48,6 +66,12 @@ def register(sub: Any) -> None:
         default="fp32",
         choices=("fp32", "bf16"),
         help="dtype of the tensor-parallel activation all-reduces (default: %(default)s)",
+    )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="tensor parallelism runs each batch as two halves at once, one computing while "
+        "the other's all-reduce is in flight",
     )
     p.add_argument("--no-emulation", action="store_true", help="run without device limits")
     p.add_argument(
@@ -64,6 +88,12 @@ def register(sub: Any) -> None:
         "--no-network",
         action="store_true",
         help="do not emulate the links the cluster declares (devices talk over loopback)",
+    )
+    p.add_argument(
+        "--links",
+        metavar="LINK,...",
+        help="run the whole bench once per link, every device on it: loopback or a rate, "
+        f"e.g. {EXAMPLE}; writes OUT/<link>/ and the crossover map OUT/crossover.json, .png",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
     p.add_argument(
@@ -82,23 +112,100 @@ def parse_strategies(text: str) -> tuple[Strategy, ...]:
     return tuple(Strategy.parse(n, flag="--strategies") for n in names)
 
 
-def run(args: argparse.Namespace) -> int:
+def workload(args: argparse.Namespace) -> tuple[Scenario, ModelSource]:
+    """The scenario with the command line's overrides (steps, warmup, model, LoRA rank),
+    and where its model's weights come from; checks them (one-line UserErrors)."""
     scenario = get_scenario(args.scenario)
-    if args.steps is not None or args.warmup is not None:
-        from dataclasses import replace
-
-        scenario = replace(
-            scenario,
-            steps=args.steps if args.steps is not None else scenario.steps,
-            warmup=args.warmup if args.warmup is not None else scenario.warmup,
-        )
-    if scenario.steps < 1 or scenario.warmup < 0:
+    steps = args.steps if args.steps is not None else scenario.steps
+    warmup = args.warmup if args.warmup is not None else scenario.warmup
+    if steps < 1 or warmup < 0:
         raise UserError("--steps must be ≥ 1 and --warmup ≥ 0")
+    model = args.model if args.model is not None else scenario.model
+    if args.lora_rank is not None and args.lora_rank < 0:
+        raise UserError(f"--lora-rank must be ≥ 1, or 0 for full fine-tuning; got {args.lora_rank}")
+    probe = ModelSource.from_name(model)
+    rank = scenario.lora_rank
+    if args.lora_rank is not None:
+        rank = args.lora_rank
+    elif args.model is not None and probe.model_dir is not None:
+        rank = CHECKPOINT_LORA_RANK  # a checkpoint: LoRA, as xronos finetune
+    scenario = replace(scenario, steps=steps, warmup=warmup, model=model, lora_rank=rank)
+    lora = LoRAConfig(r=rank) if rank else None
+    return scenario, replace(probe, lora=lora)
+
+
+def run(args: argparse.Namespace) -> int:
+    scenario, source = workload(args)
     strategies = parse_strategies(args.strategies)
+    if args.links is not None:
+        return sweep(args, scenario, source, strategies)
     link = LinkRequest.from_flags(False if args.no_network else None, args.bandwidth, args.latency)
+    bench_once(args, scenario, source, strategies, link, Path(args.out))
+    return 0
+
+
+def sweep(
+    args: argparse.Namespace,
+    scenario: Scenario,
+    source: ModelSource,
+    strategies: tuple[Strategy, ...],
+) -> int:
+    """``--links``: one whole bench run per link, then the crossover map (everything is
+    checked before the first run starts)."""
+    if args.bandwidth is not None or args.no_network:
+        flag = "--bandwidth" if args.bandwidth is not None else "--no-network"
+        raise UserError(
+            f"--links gives every device each link in turn and {flag} fixes one; drop "
+            f"{flag}, or put loopback or the rate in --links"
+        )
+    links = parse_links(args.links, args.latency)
+    if args.no_emulation and any(link.bandwidth_bps for link in links):
+        raise UserError(
+            "--links: emulated links need device emulation; drop --no-emulation, or give "
+            "--links loopback only"
+        )
+    load_cluster(args.cluster or scenario.cluster)  # a bad --cluster stops before any run
+    out = Path(args.out)
+    crossover.clear_outputs(out)
+    benches = []
+    for i, link in enumerate(links, 1):
+        print(f"bench --links: {link.label} ({i} of {len(links)})", file=sys.stderr)
+        benches.append(
+            bench_once(args, scenario, source, strategies, link.request(), out / link.label)
+        )
+    meta = {"cluster": args.cluster or scenario.cluster, "command": _command()}
+    doc = crossover.crossover(links, benches, meta)
+    crossover.write_outputs(out, doc)
+    print(crossover.format_table(doc), end="")
+    print(f"wrote {out}/crossover.json, crossover.png and one directory per link")
+    return 0
+
+
+def _command() -> str:
+    return "xronos " + " ".join(sys.argv[1:]) if sys.argv else ""
+
+
+def _mechanisms(lines: list[str]) -> dict[str, str]:
+    """The report's mechanism lines, e.g. ``{"network": "namespaces + veth + …"}``."""
+    out: dict[str, str] = {}
+    for line in lines:
+        key, _, rest = line.partition(": ")
+        if key in MECHANISMS and rest:
+            out[key] = f"{out[key]}; {rest}" if key in out else rest
+    return out
+
+
+def bench_once(
+    args: argparse.Namespace,
+    scenario: Scenario,
+    source: ModelSource,
+    strategies: tuple[Strategy, ...],
+    link: LinkRequest,
+    out_dir: Path,
+) -> dict[str, Any]:
+    """One bench run on ``link``: writes ``out_dir``/bench.json, bench.png, trace.json,
+    prints the table and returns the ``bench.json`` document."""
     cluster = link.apply(load_cluster(args.cluster or scenario.cluster))
-    source = ModelSource.from_name(scenario.model)
-    lora = LoRAConfig(r=scenario.lora_rank) if scenario.lora_rank else None
     cfg = source.cfg
     shape = Shape(
         cfg=cfg,
@@ -106,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         seq_len=scenario.seq_len,
         mlp_chunk=default_mlp_chunk(cfg.intermediate_size),
         vocab_chunk=default_vocab_chunk(cfg.vocab_size),
-        lora=lora,
+        lora=source.lora,
     )
     context = measurement_context(
         cluster, emulate=not args.no_emulation, cpu_period_us=int(args.cpu_period_ms * 1000)
@@ -120,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
             optim=OptimConfig(lr=1e-4),
             shape=shape,
             comm_dtype=args.comm_dtype,
+            overlap=args.overlap,
         ),
         strategies=strategies,
         steps=scenario.steps,
@@ -132,8 +240,15 @@ def run(args: argparse.Namespace) -> int:
         fastest=fastest_device(cluster),
     )
     print(f"bench {scenario.name}: {scenario.description}", file=sys.stderr)
+    print(f"model {scenario.model}: {_training(source)}", file=sys.stderr)
     t0 = time.perf_counter()
     emulation: dict[str, Any] = {}
+    report: list[str] = []
+
+    def say(line: str) -> None:
+        report.append(line)
+        print(line, file=sys.stderr)
+
     results = run_on_cluster(
         bench_worker,
         [job] * cluster.world_size,
@@ -142,13 +257,17 @@ def run(args: argparse.Namespace) -> int:
         network=link.network,
         timeout_s=args.timeout,
         cpu_period_us=int(args.cpu_period_ms * 1000),
+        report=say,
         emulation=emulation,
     )
+    if emulation:
+        emulation["mechanisms"] = _mechanisms(report)
     out: BenchOutput = results[0]
     if cached is None:
         store_cached(out.measured)
     meta = {
-        "command": "xronos " + " ".join(sys.argv[1:]) if sys.argv else "",
+        "command": _command(),
+        "workload": _workload_record(scenario, source),
         "profile_cached": cached is not None,
         "profiling_and_planning_s": out.planning_s,
         "profiling_s": out.profile_s,
@@ -160,12 +279,37 @@ def run(args: argparse.Namespace) -> int:
         ],
     }
     result = build_report(out, scenario, cluster, cfg, job.fastest, meta)
-    write_outputs(result, Path(args.out), out)
+    write_outputs(result, out_dir, out)
     print(format_bench_table(result))
     ideal = result["ideal_step_time_s"]
     print(
         (f"ideal step time {ideal:.3f} s; " if ideal else "ideal step time unknown; ")
         + f"profiling+planning {out.planning_s:.1f} s (profiling {out.profile_s:.1f} s"
-        + f"{', cached' if cached else ''}); wrote {args.out}/bench.json, bench.png"
+        + f"{', cached' if cached else ''}); wrote {out_dir}/bench.json, bench.png"
     )
-    return 0
+    return result
+
+
+def _training(source: ModelSource) -> str:
+    return f"LoRA r={source.lora.r}" if source.lora else "full fine-tuning"
+
+
+def _workload_record(scenario: Scenario, source: ModelSource) -> dict[str, Any]:
+    """What ran, for ``bench.json``: the model as given and as resolved, how it was
+    trained, and the batch shape."""
+    cfg = source.cfg
+    return {
+        "model": scenario.model,
+        "model_path": source.model_dir,
+        "preset": source.model_dir is None,
+        "architecture": cfg.architecture,
+        "layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "vocab_size": cfg.vocab_size,
+        "training": "lora" if source.lora else "full",
+        "lora_rank": source.lora.r if source.lora else None,
+        "batch_size": scenario.batch_size,
+        "seq_len": scenario.seq_len,
+    }

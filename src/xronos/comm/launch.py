@@ -101,6 +101,7 @@ def _worker_main(
     slot: Slot | None,
     timeout_s: float,
     latency_s: tuple[float, ...] | None = None,
+    bandwidth_bps: tuple[float | None, ...] | None = None,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     world = len(devices)
@@ -108,7 +109,9 @@ def _worker_main(
         if slot is not None:
             slot.enter()
         _warm_imports()
-        links = LinkDelays(latency_s) if latency_s and any(latency_s) else None
+        links = None
+        if (latency_s and any(latency_s)) or bandwidth_bps is not None:
+            links = LinkDelays(latency_s or (0.0,) * world, bandwidth_bps=bandwidth_bps)
         group = (
             init_gloo(rank, world, host, port, timeout_s, links=links) if world > 1 else TPGroup()
         )
@@ -155,6 +158,7 @@ def launch(
     on_event: Callable[[int, dict[str, Any]], None] | None = None,
     stop_signal: int | None = None,
     latency_s: Sequence[float] | None = None,
+    bandwidth_bps: Sequence[float | None] | None = None,
 ) -> list[Any]:
     """Run ``fn(ctx, args[rank])`` in one process per device and return the results.
 
@@ -172,6 +176,9 @@ def launch(
             second Ctrl-C stops them at once. None: the first Ctrl-C stops them at once.
         latency_s: one-way latency of each device's link, rank order, added to every
             message in the communication layer (:mod:`xronos.comm.links`); None: none.
+        bandwidth_bps: rate (bit/s) of each device's link, rank order (None entries:
+            unlimited), charged to every message in the communication layer where the
+            kernel cannot shape it; None: none.
     Raises:
         UserError: a worker found a mistake in the user's input.
         WorkerError: a worker failed or died; the message names its device.
@@ -181,6 +188,9 @@ def launch(
     latencies = tuple(float(x) for x in latency_s) if latency_s is not None else None
     if latencies is not None and len(latencies) != world:
         raise ValueError(f"{len(latencies)} link latencies for {world} devices")
+    rates = tuple(bandwidth_bps) if bandwidth_bps is not None else None
+    if rates is not None and len(rates) != world:
+        raise ValueError(f"{len(rates)} link rates for {world} devices")
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     sock = _bound_loopback_socket(host)
@@ -211,6 +221,7 @@ def launch(
                     slot,
                     timeout_s,
                     latencies,
+                    rates,
                 ),
                 name=f"xronos-{devices[rank]}",
                 daemon=False,

@@ -12,10 +12,20 @@ row-parallel output. Both are identities with one rank. Every collective goes th
 ``TPGroup.all_reduce`` so that it is timed (arrive/leave, DESIGN §6) and bounded by the
 group's timeout. A group with ``links`` adds its links' latency to every all-reduce and
 all-gather (the model is in :mod:`xronos.comm.links`).
+
+**Lanes** (overlap, :meth:`TPGroup.with_lanes`): two threads of one rank may run two halves
+of a batch at once, each inside :func:`lane` ``k``; the collectives of lane ``k`` go over
+process group ``lanes[k]``, so each lane's collectives keep the same order on every rank
+while one lane computes and the other waits on the wire. Their spans are named
+``L<k>:<name>`` (see :mod:`xronos.metrics.analysis`).
 """
 
 from __future__ import annotations
 
+import datetime
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,6 +35,24 @@ import torch.distributed as dist
 from xronos.comm.links import LinkDelays
 from xronos.metrics.recorder import current_recorder
 from xronos.metrics.records import COLLECTIVE
+
+_LANE = threading.local()
+
+
+@contextmanager
+def lane(k: int) -> Iterator[None]:
+    """Run the block as lane ``k`` of this thread's groups (see the module docstring)."""
+    previous = getattr(_LANE, "k", None)
+    _LANE.k = k
+    try:
+        yield
+    finally:
+        _LANE.k = previous
+
+
+def current_lane() -> int | None:
+    """The lane this thread runs in, or None outside :func:`lane`."""
+    return getattr(_LANE, "k", None)
 
 
 @dataclass
@@ -44,6 +72,9 @@ class TPGroup:
     """Dtype the activations and their gradients travel in through the seams
     (:func:`reduce_activation`); None: their own (fp32, exact). bf16 halves the bytes on
     the wire and rounds each rank's partial sum to 8 bits of mantissa before adding."""
+    lanes: tuple[dist.ProcessGroup, ...] = ()
+    """Process groups over the same ranks, one per lane (:meth:`with_lanes`); empty: no
+    overlap."""
 
     @classmethod
     def from_default(cls, links: LinkDelays | None = None) -> TPGroup:
@@ -56,11 +87,32 @@ class TPGroup:
 
     def silent(self) -> TPGroup:
         """The same rank and size, without communication (see ``communicate``)."""
-        return replace(self, pg=None, communicate=False, links=None)
+        return replace(self, pg=None, communicate=False, links=None, lanes=())
 
     def on(self, pg: dist.ProcessGroup) -> TPGroup:
         """The same ranks and links on another process group over them."""
-        return replace(self, pg=pg)
+        return replace(self, pg=pg, lanes=())
+
+    def with_lanes(self, timeout_s: float) -> TPGroup:
+        """This group with two lanes: its own process group and a second one over the same
+        ranks (made here; every member calls this, the other ranks need not). One rank or
+        no communication: unchanged."""
+        if self.size == 1 or not self.communicate or self.lanes or self.pg is None:
+            return self
+        second = dist.new_group(
+            dist.get_process_group_ranks(self.pg),
+            timeout=datetime.timedelta(seconds=timeout_s),
+            backend="gloo",
+            use_local_synchronization=True,
+        )
+        return replace(self, lanes=(self.pg, second))
+
+    def _route(self, name: str) -> tuple[dist.ProcessGroup | None, str]:
+        """The process group and span name of a collective issued from this thread."""
+        k = current_lane()
+        if k is None or not self.lanes:
+            return self.pg, name
+        return self.lanes[k], f"L{k}:{name}"
 
     def delays(self) -> LinkDelays | None:
         """The latencies of this group's members, in group-rank order, that its collectives
@@ -95,9 +147,10 @@ class TPGroup:
         (``kind`` tags the span, e.g. with the plan segment it closes)."""
         if self.size == 1:
             return
+        pg, name = self._route(name)
         with current_recorder().collective(name, kind):
             if self.communicate:
-                dist.all_reduce(t, op=op, group=self.pg)
+                dist.all_reduce(t, op=op, group=pg)
             self.link_wait(t, "all_reduce")
 
     def barrier(self) -> None:
@@ -118,11 +171,12 @@ class TPGroup:
         if self.size == 1:
             return [t]
         out = [torch.empty_like(t) for _ in range(self.size)]
+        pg, name = self._route(name)
         with current_recorder().collective(name, kind):
             if not self.communicate:
                 out = [t.clone() for _ in range(self.size)]
             else:
-                dist.all_gather(out, t.contiguous(), group=self.pg)
+                dist.all_gather(out, t.contiguous(), group=pg)
             self.link_wait(t, "all_gather")
         return out
 

@@ -230,6 +230,10 @@ class CgroupV1(Hierarchy):
             _write(_pick(d, "cpuset.cpus"), ",".join(map(str, limits.cpus)))
         elif controller == "memory" and limits.memory_bytes is not None:
             _write(d / "memory.limit_in_bytes", str(limits.memory_bytes))
+            # pages the worker touched before it joined (its interpreter, torch) move with
+            # it, so the cap counts what the device holds (v2 has no such move)
+            with contextlib.suppress(OSError):
+                _write(d / "memory.move_charge_at_immigrate", "3")
             memsw = d / "memory.memsw.limit_in_bytes"
             if memsw.exists():  # no swapping past the cap either, where swap is accounted
                 with contextlib.suppress(OSError):

@@ -37,6 +37,7 @@ from xronos.emulation import cgroups, netns
 from xronos.emulation.cgroups import Group, Hierarchy, Limits
 from xronos.emulation.cluster import ClusterSpec
 from xronos.emulation.dutycycle import DutyCycle
+from xronos.emulation.network import Links, start_links
 from xronos.emulation.report import ReportInput, emulator_report
 from xronos.emulation.slot import DeviceSlot, assign_cpus
 from xronos.emulation.speed import SpeedCheck, SpeedChecker
@@ -56,12 +57,15 @@ class Emulator:
     Args:
         cluster: the devices; device ``i`` is rank ``i``.
         run_id: names the run's cgroups ``xronos-<run_id>-<device>``.
-        network: also give each device a network namespace with a shaped link (rate by
-            ``tc tbf``; latency by ``netem`` where the kernel has it, else by the
-            communication layer: :meth:`comm_latencies`). Where namespaces cannot be made,
-            the report says the links are not emulated and the run goes on over loopback.
+        network: give each device a network namespace with a shaped link (rate by ``tc
+            tbf``, latency by ``netem`` or the communication layer; :mod:`network`). Where
+            namespaces cannot be made, the report says the links are not emulated and the
+            run goes on over loopback.
         require_network: with ``network``, raise a one-line :class:`UserError` instead
-            when namespaces cannot be made (the user asked for the links explicitly).
+            (the user asked for the links explicitly).
+        comm_fallback: instead, emulate rate and latency in the communication layer
+            (reported); only for a launcher that hands :meth:`comm_latencies` and
+            ``links.comm_bandwidths()`` to its workers.
         mechanism: ``auto`` (cgroups where writable, else duty-cycle), ``cgroup`` (fail
             with a UserError if cgroups cannot be used), ``duty-cycle`` (force the fallback)
             or ``none`` (CPU sets only, no quota).
@@ -82,6 +86,7 @@ class Emulator:
         *,
         network: bool = False,
         require_network: bool = False,
+        comm_fallback: bool = False,
         mechanism: Mechanism = "auto",
         period_us: int = 10_000,
         state_dir: str | os.PathLike[str] | None = None,
@@ -101,6 +106,7 @@ class Emulator:
         self.run_id = run_id
         self.network = network
         self.require_network = require_network
+        self.comm_fallback = comm_fallback
         self.mechanism: Mechanism = mechanism
         self.period_us = period_us
         self.check_speed = check_speed
@@ -113,8 +119,9 @@ class Emulator:
         self.groups: list[Group | None] = [None] * len(devices)
         self.cpu_mechanism: list[str] = ["none"] * len(devices)
         """Per rank: ``cgroup v1``, ``cgroup v2``, ``duty-cycle`` or ``none``."""
+        self.links = Links(devices)
+        """How the links are emulated, and what the communication layer adds (:mod:`network`)."""
         self.net: netns.NetworkPlan | None = None
-        self.net_notes: list[str] = []
         self.netem = False
         """Whether the kernel delays packets (netem); else latency is the comm layer's."""
         self.bridge_ip: str | None = None
@@ -265,29 +272,22 @@ class Emulator:
         return [s.got for s in self.speeds]
 
     def _setup_network(self) -> None:
-        try:
-            plan = netns.plan_network(self.run_id, self.cluster.world_size)
+        def record(plan: netns.NetworkPlan) -> None:
             assert self._state is not None
             self._state.namespaces, self._state.links = plan.namespaces, plan.links
             self._save_state()
-            self.netem = netns.setup_network(plan, self.cluster.devices)
-        except netns.NetworkUnavailable as e:
-            if self.require_network:
-                raise UserError(
-                    f"network emulation: {e}; run as root with iproute2 (`ip`, `tc`), "
-                    "or pass --no-network to run the devices over loopback"
-                ) from None
-            self.notes["network"] = str(e)
-            return
-        self.net, self.bridge_ip = plan, plan.bridge_ip
+
+        self.links, why = start_links(
+            self.run_id, self.cluster.devices, record, self.require_network, self.comm_fallback
+        )
+        self.notes.update({"network": why} if why is not None else {})
+        self.net, self.netem = self.links.plan, self.links.netem
+        self.bridge_ip = self.net.bridge_ip if self.net is not None else None
 
     def comm_latencies(self) -> tuple[float, ...] | None:
-        """Per rank, the latency (s) the communication layer adds: declared latencies where
-        namespaces are up without netem; else None (nothing to add there)."""
-        devices = self.cluster.devices
-        if self.net is None or self.netem or not any(d.latency_s for d in devices):
-            return None
-        return tuple(d.latency_s or 0.0 for d in devices)
+        """Per rank, the latency (s) the communication layer adds (namespaces without netem,
+        or the fallback, whose rates are ``links.comm_bandwidths()``); else None."""
+        return self.links.comm_latencies()
 
     # ------------------------------------------------------------------ workers
 
@@ -392,8 +392,8 @@ class Emulator:
                 network=self.network,
                 net=self.net,
                 bridge_ip=self.bridge_ip,
-                net_notes=tuple(self.net_notes),
                 netem=self.netem,
                 speeds=tuple(self.speeds),
+                comm_network=self.links.comm_network,
             )
         )

@@ -16,9 +16,11 @@ delay): traffic from device A to device B crosses A's uplink and B's downlink, l
 machines on one switch. Where the kernel has no ``netem`` qdisc (``tc qdisc add ... netem``
 fails), only the rate is shaped here and :func:`setup_network` says so; the launcher then
 adds the latency in the communication layer (:mod:`xronos.comm.links`), which charges
-every message ``l_A + l_B`` one way — the same model. The /24 is picked per run among
-``10.213.0.0/16`` subnets that are not in use on the host, and only traffic between these
-namespaces and the bridge is touched.
+every message ``l_A + l_B`` one way — the same model. Where namespaces cannot be made at
+all (:class:`NetworkUnavailable`), the launcher emulates the rate there too
+(:mod:`xronos.emulation.network`). The /24 is picked per run among ``10.213.0.0/16``
+subnets that are not in use on the host, and only traffic between these namespaces and the
+bridge is touched.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The lines an emulator shows the user: which mechanism emulates what (and why a fallback is
 in force), each device's limits and the link in force (``link: 1 Gbit/s, 2 ms (tbf +
-latency in the communication layer)``, or ``link: not emulated``), what each device's speed
+latency in the communication layer)``, ``link: 200 Mbit/s (bandwidth in the communication
+layer)`` under the network fallback, or ``link: not emulated``), what each device's speed
 measured, and which devices share host CPUs. It works on plain data (:class:`ReportInput`),
 not on the emulator itself."""
 
@@ -38,10 +39,13 @@ class ReportInput:
     """Network emulation requested."""
     net: NetworkPlan | None
     bridge_ip: str | None
-    net_notes: Sequence[str]
+    net_notes: Sequence[str] = ()
     speeds: Sequence[SpeedCheck] = ()
     netem: bool = False
     """The kernel delays packets (netem); else latency is added in the communication layer."""
+    comm_network: str | None = None
+    """Why rate and latency are emulated in the communication layer (the fallback: no
+    network namespaces could be made); None where they are not."""
 
 
 def _periods(emu: ReportInput) -> str:
@@ -95,6 +99,8 @@ def emulator_report(emu: ReportInput) -> list[str]:
         lines.append(f"memory cap: not emulated ({reason})")
     if not emu.network:
         lines.append("network: not requested (devices talk over loopback)")
+    elif emu.comm_network is not None:
+        lines.append(_fallback_line(emu.cluster, emu.comm_network))
     elif emu.net is None:
         lines.append(f"network: not emulated ({emu.notes.get('network', 'unavailable')})")
     else:
@@ -110,6 +116,17 @@ def emulator_report(emu: ReportInput) -> list[str]:
     return lines
 
 
+def _fallback_line(cluster: ClusterSpec, why: str) -> str:
+    """The network line under the fallback: what the communication layer emulates, and why."""
+    rate = any(d.bandwidth_bps for d in cluster.devices)
+    delay = any(d.latency_s for d in cluster.devices)
+    what = " and ".join(w for w, v in (("bandwidth", rate), ("latency", delay)) if v) or "links"
+    return (
+        f"network: {what} emulated in the communication layer (no network namespaces here: "
+        f"{why}); devices talk over loopback"
+    )
+
+
 def _device_line(emu: ReportInput, rank: int) -> str:
     d = emu.cluster.devices[rank]
     cpus = ",".join(map(str, emu.cpus[rank]))
@@ -123,25 +140,36 @@ def _device_line(emu: ReportInput, rank: int) -> str:
         parts.append(f"memory {format_bytes(d.memory_bytes)}")
     if emu.net is not None:
         parts.append(f"ip {emu.net.ip(rank)}")
-    link = link_text(d.bandwidth_bps, d.latency_s, emulated=emu.net is not None, netem=emu.netem)
+    comm = emu.comm_network is not None
+    emulated = emu.net is not None or comm
+    link = link_text(d.bandwidth_bps, d.latency_s, emulated=emulated, netem=emu.netem, comm=comm)
     if link:
         parts.append(f"link: {link}")
     return ", ".join(parts)
 
 
 def link_text(
-    bandwidth_bps: float | None, latency_s: float | None, *, emulated: bool, netem: bool
+    bandwidth_bps: float | None,
+    latency_s: float | None,
+    *,
+    emulated: bool,
+    netem: bool,
+    comm: bool = False,
 ) -> str:
     """One device's link as the report states it: ``1 Gbit/s, 2 ms (tbf + latency in the
-    communication layer)``; ``not emulated (declared …)`` when the network is not
-    emulated; ``unshaped`` on an emulated network for a device that declares nothing; the
-    empty string when there is neither a network nor a declared link."""
+    communication layer)``; under the network fallback (``comm``) ``1 Gbit/s, 2 ms
+    (bandwidth + latency in the communication layer)``; ``not emulated (declared …)`` when
+    the network is not emulated; ``unshaped`` on an emulated network for a device that
+    declares nothing; the empty string when there is neither a network nor a declared link."""
     words = [format_bandwidth(bandwidth_bps)] if bandwidth_bps else []
     words += [format_duration(latency_s)] if latency_s else []
     if not emulated:
         return f"not emulated (declared {', '.join(words)})" if words else ""
     if not words:
         return "unshaped"
+    if comm:
+        what = " + ".join(w for w, v in (("bandwidth", bandwidth_bps), ("latency", latency_s)) if v)
+        return f"{', '.join(words)} ({what} in the communication layer)"
     how = ["tbf"] if bandwidth_bps else []
     if latency_s:
         how.append("netem" if netem else "latency in the communication layer")
@@ -164,21 +192,29 @@ def _sharing_lines(emu: ReportInput) -> list[str]:
     return lines
 
 
-def links_in_force(cluster: ClusterSpec, emulated: bool, netem: bool) -> list[dict[str, Any]]:
+def links_in_force(
+    cluster: ClusterSpec, emulated: bool, netem: bool, comm: bool = False
+) -> list[dict[str, Any]]:
     """Per device, the link a run had: declared rate and latency, whether they were
-    emulated, what delayed the packets, and the report's wording (for ``bench.json``)."""
+    emulated, what limited the rate (``tbf``, ``communication layer``) and what delayed
+    the packets (``netem``, ``communication layer``), and the report's wording (for
+    ``bench.json``). ``comm``: the network fallback (no namespaces; both in the
+    communication layer)."""
     out = []
     for d in cluster.devices:
-        latency_by = None
+        bandwidth_by = latency_by = None
+        if emulated and d.bandwidth_bps:
+            bandwidth_by = "communication layer" if comm else "tbf"
         if emulated and d.latency_s:
-            latency_by = "netem" if netem else "communication layer"
-        text = link_text(d.bandwidth_bps, d.latency_s, emulated=emulated, netem=netem)
+            latency_by = "netem" if netem and not comm else "communication layer"
+        text = link_text(d.bandwidth_bps, d.latency_s, emulated=emulated, netem=netem, comm=comm)
         out.append(
             {
                 "name": d.name,
                 "bandwidth_bps": d.bandwidth_bps,
                 "latency_s": d.latency_s,
                 "emulated": emulated,
+                "bandwidth_by": bandwidth_by,
                 "latency_by": latency_by,
                 "link": text or "loopback",
             }

@@ -47,22 +47,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from xronos.errors import UserError
-from xronos.metrics.records import Span, StepRecord
+from xronos.metrics.overlap import is_laned, lane_keys, lane_phases, lanes_checked
+from xronos.metrics.records import Phase, Span, StepRecord
 
 P2P_PREFIXES = ("send:", "recv:")
 """Name prefixes that mark point-to-point waits in pipeline records."""
 
 TransferEstimate = float | Callable[[Span], float]
-
-
-@dataclass(frozen=True)
-class Phase:
-    """One piece of a rank's step: ``kind`` is ``compute``, ``transfer`` or ``idle``."""
-
-    kind: str
-    start: float
-    end: float
-    name: str
 
 
 @dataclass(frozen=True)
@@ -153,9 +144,13 @@ def _checked(records: Sequence[StepRecord]) -> list[StepRecord]:
         raise ValueError("two records of the same step come from the same rank")
     if len({r.step for r in ordered}) != 1:
         raise ValueError(f"records mix steps {sorted({r.step for r in ordered})}")
+    laned = is_laned(ordered)
     for rec in ordered:
         if rec.end < rec.start:
             raise ValueError(f"rank {rec.rank} step {rec.step} ends before it starts")
+        if laned:
+            lanes_checked(rec)
+            continue
         previous_end = rec.start
         for span in rec.collectives:
             if span.start < previous_end or span.end < span.start or span.end > rec.end:
@@ -240,9 +235,16 @@ def _split(
 
 def _metrics(records: list[StepRecord], split: list[list[tuple[Span, float]]]) -> StepMetrics:
     devices = []
+    laned = is_laned(records)
     for rec, parts in zip(records, split, strict=True):
-        idle = sum(mid - span.start for span, mid in parts)
-        transfer = sum(span.end - mid for span, mid in parts)
+        if laned:
+            spent: dict[str, float] = defaultdict(float)
+            for ph in lane_phases(rec, parts):
+                spent[ph.kind] += ph.end - ph.start
+            idle, transfer = spent["idle"], spent["transfer"]
+        else:
+            idle = sum(mid - span.start for span, mid in parts)
+            transfer = sum(span.end - mid for span, mid in parts)
         step = rec.duration
         compute = max(step - idle - transfer, 0.0)
         devices.append(DeviceMetrics(rec.rank, rec.device, step, compute, transfer, idle))
@@ -253,7 +255,8 @@ def _metrics(records: list[StepRecord], split: list[list[tuple[Span, float]]]) -
 def analyze_step(records: Sequence[StepRecord]) -> StepMetrics:
     """Compute / transfer / idle of one tensor-parallel step (one record per rank)."""
     ordered = _checked(records)
-    return _metrics(ordered, _split(ordered, _tp_keys(ordered), None))
+    keys = lane_keys(ordered) if is_laned(ordered) else _tp_keys(ordered)
+    return _metrics(ordered, _split(ordered, keys, None))
 
 
 def analyze_pipeline_step(
@@ -281,9 +284,13 @@ def step_phases(
     if pipeline:
         split = _split(ordered, _pp_keys(ordered), transfer_estimate_s)
     else:
-        split = _split(ordered, _tp_keys(ordered), None)
+        keys = lane_keys(ordered) if is_laned(ordered) else _tp_keys(ordered)
+        split = _split(ordered, keys, None)
     phases: dict[int, list[Phase]] = {}
     for rec, parts in zip(ordered, split, strict=True):
+        if is_laned(ordered):
+            phases[rec.rank] = lane_phases(rec, parts)
+            continue
         out: list[Phase] = []
         cursor = rec.start
         for span, mid in parts:

@@ -149,3 +149,62 @@ def plot_losses(path: str | os.PathLike[str], losses: Mapping[str, Sequence[floa
     ax.grid(alpha=0.3)
     fig.tight_layout()
     _save(fig, path)
+
+
+def plot_crossover(path: str | os.PathLike[str], doc: Mapping[str, Any]) -> None:
+    """Step time ÷ single's against link bandwidth, one line per strategy (``auto``
+    included, its pick written at each point), a line at 1.0 (below it collaborating
+    pays). Bandwidth is on a log axis; loopback sits at the right end, labelled.
+
+    Args:
+        doc: a ``crossover.json`` document (:mod:`xronos.bench.crossover`).
+    """
+    links: Sequence[Mapping[str, Any]] = doc.get("links", [])
+    if not links:
+        raise ValueError("crossover has no links to plot")
+    rates = [float(e["bandwidth_bps"]) for e in links if e.get("bandwidth_bps")]
+    top = max(rates) if rates else 1e9
+    loopback_x = top * 4 if rates else top
+    xs = [float(e["bandwidth_bps"]) if e.get("bandwidth_bps") else loopback_x for e in links]
+    order = sorted(range(len(links)), key=lambda i: xs[i])
+    fig = Figure(figsize=(8, 4.6))
+    ax = fig.add_subplot()
+    names: list[str] = list(doc.get("strategies", []))
+    for name in names:
+        points = [
+            (xs[i], ratio)
+            for i in order
+            if (ratio := (links[i]["strategies"].get(name) or {}).get("step_over_single"))
+        ]
+        if not points:
+            continue
+        style = {"lw": 2.4, "color": "#222"} if name == "auto" else {"lw": 1.4}
+        ax.plot(*zip(*points, strict=True), marker="o", ms=4, label=name, **style)
+        if name == "auto":
+            for i in order:
+                ratio = (links[i]["strategies"].get(name) or {}).get("step_over_single")
+                if ratio and links[i].get("auto_chosen"):
+                    ax.annotate(
+                        str(links[i]["auto_chosen"]),
+                        (xs[i], ratio),
+                        textcoords="offset points",
+                        xytext=(0, 7),
+                        ha="center",
+                        fontsize=7,
+                    )
+    ax.axhline(1.0, color="#888", ls="--", lw=1)
+    ax.set_xscale("log")
+    ax.set_xticks([xs[i] for i in order], [str(links[i]["link"]) for i in order])
+    ax.minorticks_off()
+    if rates:
+        ax.axvspan(top * 2, loopback_x * 2, color="#f0f0f0", zorder=0)
+    ax.set_xlim(min(xs) / 1.6, max(xs) * 1.6)
+    ax.set_xlabel("link bandwidth (every device)")
+    ax.set_ylabel("step time ÷ single (below 1: collaborating pays)")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.005, 1.0))
+    fig.suptitle(
+        f"xronos bench crossover: {doc.get('scenario', '')}  model: {doc.get('model', '')}"
+    )
+    fig.tight_layout()
+    _save(fig, path)

@@ -40,6 +40,9 @@ COLLECTIVE = "collective"
 """Default ``kind`` of a communication span."""
 COMPUTE = "compute"
 """Default ``kind`` of an explicit compute span."""
+LANE = "lane"
+"""``kind`` of the compute span that bounds one lane's work in an overlapped step (its name
+is ``L<k>``; that lane's collectives are named ``L<k>:<name>``)."""
 
 _MAGIC = 7_263_021.0  # marks a packed-records tensor; guards against unpacking other data
 _HEADER = 4
@@ -76,6 +79,16 @@ class Span:
     def from_list(cls, item: Sequence[Any]) -> Span:
         name, start, end, kind = item
         return cls(str(name), float(start), float(end), str(kind))
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One piece of a rank's step: ``kind`` is ``compute``, ``transfer`` or ``idle``."""
+
+    kind: str
+    start: float
+    end: float
+    name: str
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ The table leads with the speed-up over ``single`` (the fastest device alone: is
 collaborating worth it at all?); ``vs tp-even`` is the change in median step time relative
 to Megatron's even split (negative = faster); ratios are shown as percentages; a missing
 value is ``-``. ``pred s`` is the planner's prediction of the step (communication
-included), next to the measured median.
+included), next to the measured median. ``peak MiB`` is each device's peak resident
+memory during the strategy (devices separated by ``/``). A strategy that could not fit the
+devices' memory shows ``infeasible`` and no figures; why is printed under the table.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ HEADERS = (
     "idle mean",
     "idle max",
     "stall",
+    "peak MiB",
     "efficiency",
     "final loss",
 )
@@ -40,12 +43,37 @@ def _fmt(value: float | None, style: Callable[[float], str]) -> str:
     return "-" if value is None else style(value)
 
 
+def _peaks(values: Any) -> str:
+    """``612/498``: one whole MiB per device; ``-`` when not measured."""
+    if not isinstance(values, list) or not values:
+        return "-"
+    return "/".join("-" if _num({"v": v}, "v") is None else f"{v:.0f}" for v in values)
+
+
+def notes(bench: Mapping[str, Any]) -> list[str]:
+    """Lines under the table: why a strategy could not run, how memory was measured."""
+    out = [
+        f"{name}: infeasible: {entry['infeasible']}"
+        for name, entry in bench.get("strategies", {}).items()
+        if entry.get("infeasible")
+    ]
+    memory = bench.get("memory") or {}
+    caps = memory.get("enforced_cap_mb") or memory.get("cap_mb")
+    if isinstance(caps, list) and any(c is not None for c in caps):
+        shown = "/".join("none" if c is None else f"{c:.0f}" for c in caps)
+        out.append(f"memory caps (MiB): {shown}; strategies ran {memory.get('schedule', '?')}")
+    return out
+
+
 def bench_rows(bench: Mapping[str, Any]) -> list[list[str]]:
     """One row of formatted cells per strategy, in the order of ``bench["strategies"]``."""
     strategies: Mapping[str, Mapping[str, Any]] = bench.get("strategies", {})
     base = _num(strategies.get(BASELINE, {}), "step_time_s")
     rows = []
     for name, entry in strategies.items():
+        if entry.get("infeasible"):
+            rows.append([name, "infeasible"] + ["-"] * (len(HEADERS) - 2))
+            continue
         step = _num(entry, "step_time_s")
         change = None if step is None or not base else (step / base - 1.0) * 100.0
         rows.append(
@@ -59,6 +87,7 @@ def bench_rows(bench: Mapping[str, Any]) -> list[list[str]]:
                 _fmt(_num(entry, "idle_ratio_mean"), lambda v: f"{100 * v:.1f}%"),
                 _fmt(_num(entry, "idle_ratio_max"), lambda v: f"{100 * v:.1f}%"),
                 _fmt(_num(entry, "stall_ratio"), lambda v: f"{100 * v:.1f}%"),
+                _peaks(entry.get("peak_rss_mb")),
                 _fmt(_num(entry, "efficiency"), lambda v: f"{100 * v:.1f}%"),
                 _fmt(_num(entry, "final_loss"), lambda v: f"{v:.4f}"),
             ]
@@ -81,6 +110,7 @@ def format_bench_table(bench: Mapping[str, Any]) -> str:
     ideal = _num(bench, "ideal_step_time_s")
     if ideal:
         out.append(f"ideal step time: {ideal:.3f} s")
+    out += notes(bench)
     return "\n".join(out) + "\n"
 
 
@@ -101,3 +131,5 @@ def print_bench_table(bench: Mapping[str, Any], console: Any = None) -> None:
     ideal = _num(bench, "ideal_step_time_s")
     if ideal:
         (console or Console()).print(f"ideal step time: {ideal:.3f} s")
+    for line in notes(bench):
+        (console or Console()).print(line, markup=False)

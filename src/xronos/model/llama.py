@@ -93,7 +93,10 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self, k, v)
         causal = cache is None or s > 1
-        if self.q_offset == 0 and n_q == n_kv * self.q_per_kv:  # whole KV groups
+        if n_q == 0:  # no local query head: nothing to attend (some CPU attention kernels
+            # divide their work by the head count); the empty q keeps the seams in the graph
+            y = q
+        elif self.q_offset == 0 and n_q == n_kv * self.q_per_kv:  # whole KV groups
             y = F.scaled_dot_product_attention(
                 q, k, v, is_causal=causal, enable_gqa=self.q_per_kv > 1
             )  # (B, nq, S, d)

@@ -177,8 +177,9 @@ class P2P:
             return _issued(dist.isend(t, dst=peer, group=self.group.pg, tag=tag), msg)
 
         with current_recorder().collective("send:" + msg):
-            if links is not None:  # link latency: gloo gets it l_src + l_dst from now
-                work = links.send_later(dist.get_rank(), peer, issue)
+            if links is not None:  # link latency (and rate): gloo gets it when it could arrive
+                nbytes = t.numel() * t.element_size()
+                work = links.send_later(dist.get_rank(), peer, issue, nbytes=nbytes)
             else:
                 work = Future()
                 work.set_result(issue())

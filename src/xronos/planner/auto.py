@@ -18,6 +18,12 @@ Every prediction is for one optimizer step of ``grad_accum`` batches; the TP ste
 :func:`~xronos.planner.solve.predict` (barriers + collectives, :mod:`xronos.planner.comm`)
 per batch. The fastest feasible candidate wins; on a tie the simpler strategy (earlier in
 the table above) does.
+
+A candidate is feasible only if what each of its devices must hold fits the memory usable
+there (:mod:`xronos.planner.memory`): the heterogeneous split is planned within it, and
+the even split and the pipeline's stages (a tied embedding's copy on the first stage
+included) are checked after planning; an infeasible candidate says what it needs and
+where.
 """
 
 from __future__ import annotations
@@ -31,10 +37,16 @@ from typing import Any
 from xronos.config import ModelConfig
 from xronos.errors import UserError
 from xronos.planner.hybrid import HybridPlan, plan_hybrids
-from xronos.planner.memory import fits_alone
+from xronos.planner.memory import fits_alone, stage_need, tp_need
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.pipesearch import device_stages, search_pipeline
-from xronos.planner.plan import Plan, default_mlp_chunk, default_vocab_chunk, segment_units
+from xronos.planner.plan import (
+    SEGMENTS,
+    Plan,
+    default_mlp_chunk,
+    default_vocab_chunk,
+    segment_units,
+)
 from xronos.planner.profile import DeviceProfile
 from xronos.planner.solve import _check_profiles, plan_even, plan_tp, predict
 
@@ -135,7 +147,8 @@ def _names(names: Sequence[str], c: Candidate) -> str:
 def _tp_split(pred: Mapping[str, Any], grad_accum: int) -> tuple[float, float]:
     """(compute, transfer) seconds per optimizer step of a TP prediction per batch."""
     step_only = pred["transfer_s"] - sum(v["transfer_s"] for v in pred["segments"].values())
-    compute = pred["compute_step_s"] * grad_accum
+    # a barrier's wait for late arrivals counts with the compute it ends
+    compute = (pred["compute_step_s"] + pred.get("sync_s", 0.0)) * grad_accum
     return compute, (pred["transfer_s"] - step_only) * grad_accum + step_only
 
 
@@ -156,13 +169,7 @@ class _Job:
         out = []
         for r, p in enumerate(self.profiles):
             if not fits_alone(p, self.totals):
-                need = p.base_bytes + sum(
-                    n * max(0, p.unit_bytes.get(s, 0)) for s, n in self.totals.items()
-                )
-                why = (
-                    f"needs {need / 2**20:.1f} MiB for the whole model, has "
-                    f"{p.memory_bytes / 2**20:.1f} MiB"
-                )
+                why = _short_of_memory([p], [tp_need(p, self.totals)])
                 out.append(Candidate("single", (r,), math.inf, None, False, why))
                 continue
             t = p.step_time(dict(self.totals)) * self.grad_accum
@@ -191,6 +198,12 @@ class _Job:
             pred = predict(plan, members, replicated_share=share)
         except UserError as e:
             return Candidate(strategy, tuple(ranks), math.inf, None, False, str(e))
+        short = _short_of_memory(
+            members,
+            [tp_need(p, {s: plan.split(s)[i] for s in SEGMENTS}) for i, p in enumerate(members)],
+        )
+        if short:  # the even split ignores memory
+            return Candidate(strategy, tuple(ranks), math.inf, None, False, short)
         compute, transfer = _tp_split(pred, self.grad_accum)
         why = f"= {compute:.4f} compute + {transfer:.4f} transfer"
         return Candidate(
@@ -219,9 +232,16 @@ class _Job:
             grad_accum=self.grad_accum,
             act_bytes=self.act_bytes,
             max_permuted=self.max_permuted,
+            tied_bytes=max(p.tied_grad_bytes for p in self.profiles),
         )
         if plan is None:
             return Candidate("pp-1f1b", (), math.inf, None, False, "no stage split fits memory")
+        short = _short_of_memory(
+            [self.profiles[r] for r in plan.stage_ranks],
+            pipeline_needs(self.cfg, self.profiles, plan, self.totals),
+        )
+        if short:  # the stage search does not count a tied embedding's first-stage copy
+            return Candidate("pp-1f1b", plan.stage_ranks, math.inf, None, False, short)
         return Candidate(
             "pp-1f1b", plan.stage_ranks, plan.predicted_step_s, plan, True, _pp_why(plan)
         )
@@ -254,13 +274,54 @@ class _Job:
         return out
 
 
+def pipeline_needs(
+    cfg: ModelConfig,
+    profiles: Sequence[DeviceProfile],
+    plan: PipelinePlan,
+    totals: Mapping[str, int],
+) -> list[int]:
+    """Bytes each stage of ``plan`` needs on its device (stage order; see
+    :func:`~xronos.planner.memory.stage_need`); ``profiles`` in rank order, ``totals``
+    the model's units per segment. With a tied embedding and more than one stage, the
+    first and the last stage also swap its gradient after the schedule: each receives the
+    other's and sums them into a new tensor, two fp32 copies of the matrix for a moment
+    (counted for adapters too, whose frozen embedding swaps nothing: errs high there)."""
+    last = len(plan.layer_ranges) - 1
+    swap = 2 * 4 * cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings and last else 0
+    return [
+        stage_need(
+            profiles[r],
+            totals,
+            cfg.num_layers,
+            b - a,
+            first=j == 0,
+            last=j == last,
+            tied=cfg.tie_word_embeddings,
+        )
+        + (swap if j in (0, last) else 0)
+        for j, (r, (a, b)) in enumerate(zip(plan.stage_ranks, plan.layer_ranges, strict=True))
+    ]
+
+
+def _short_of_memory(members: Sequence[DeviceProfile], needs: Sequence[int]) -> str:
+    """Why the first device whose need exceeds its usable memory cannot run ("" if none)."""
+    for p, need in zip(members, needs, strict=True):
+        if 0 < p.memory_bytes < need:
+            return (
+                f"needs {need / 2**20:.1f} MiB on {p.name}, which has "
+                f"{p.memory_bytes / 2**20:.1f} MiB"
+            )
+    return ""
+
+
 def _pp_why(plan: PipelinePlan) -> str:
     fill = sum(plan.predicted_stage_s)
-    bubble = plan.predicted_step_s - fill
+    bubble = plan.predicted_step_s - fill - plan.step_extra_s
     layers = "|".join(f"{a}-{b - 1}" for a, b in plan.layer_ranges)
+    swap = f" + {plan.step_extra_s:.4f} tied-gradient swap" if plan.step_extra_s else ""
     return (
         f"= {fill:.4f} fill + {bubble:.4f} for {plan.num_microbatches - 1} more micro-batches "
-        f"at the bottleneck; layers {layers}, m={plan.num_microbatches}"
+        f"at the bottleneck{swap}; layers {layers}, m={plan.num_microbatches}"
     )
 
 

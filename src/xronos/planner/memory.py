@@ -20,12 +20,19 @@ two leave, while that shortens its barrier. Every segment is balanced exactly wi
 caps, but the coupled search is not exhaustive: when memory binds, the result can be
 slower than the best possible plan, and in rare, tightly packed cases no plan may be
 found although one exists.
+
+*What a device needs* (:func:`tp_need`, :func:`stage_need`): ``base_bytes`` plus its
+units' bytes — the model's part. Its process needs more: the runtime (interpreter, torch,
+the collectives' library) resident before any model is built. :func:`within_caps` turns a
+device's cap into the memory usable by the model by taking off that runtime, measured on
+the device, so that every check above compares like with like.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from itertools import permutations
 
 from xronos.planner.balance import SegmentSolution, solve_segment
@@ -76,6 +83,49 @@ def fits(
         b is None or sum(units[s][i] * unit_bytes(p, s) for s in SEGMENTS) <= b
         for i, (p, b) in enumerate(zip(profiles, budgets, strict=True))
     )
+
+
+def tp_need(p: DeviceProfile, units: Mapping[str, int]) -> int:
+    """Bytes ``p`` needs for the model when it holds ``units`` of each segment of a
+    tensor-parallel plan: the replicated part (``base_bytes``) and its units."""
+    return p.base_bytes + sum(u * unit_bytes(p, s) for s, u in units.items())
+
+
+def stage_need(
+    p: DeviceProfile,
+    totals: Mapping[str, int],
+    num_layers: int,
+    layers: int,
+    *,
+    first: bool,
+    last: bool,
+    tied: bool,
+) -> int:
+    """Bytes ``p`` needs for a pipeline stage of ``layers`` decoder layers: the replicated
+    part, the layers' share of the attention and MLP units, the LM head on the last stage
+    and, when the embedding is tied to the head, the embedding on a first stage that is
+    not also the last (it is a separate copy there, with its own gradient and moments;
+    counted as the head's bytes, which also covers the logits' activations the first
+    stage does not hold, so this errs high by those)."""
+    per_layer = (
+        unit_bytes(p, "attn") * totals["attn"] + unit_bytes(p, "mlp") * totals["mlp"]
+    ) // max(num_layers, 1)
+    head = unit_bytes(p, "vocab") * totals["vocab"]
+    embed = head if tied and first and not last else 0
+    return p.base_bytes + layers * per_layer + (head if last else 0) + embed
+
+
+def within_caps(
+    profiles: Sequence[DeviceProfile], caps: Sequence[int | None], runtime: Sequence[int]
+) -> list[DeviceProfile]:
+    """``profiles`` with the memory usable by the model on each capped device: its cap
+    less ``runtime`` (the bytes its process holds before any model: interpreter, torch,
+    the collectives' library), at least 1 byte so that the device stays bounded. An
+    uncapped device keeps its profile."""
+    return [
+        p if cap is None else replace(p, memory_bytes=max(1, int(cap) - int(rt)))
+        for p, cap, rt in zip(profiles, caps, runtime, strict=True)
+    ]
 
 
 def fits_alone(p: DeviceProfile, totals: Mapping[str, int]) -> bool:

@@ -42,6 +42,11 @@ class StageCosts:
     """Forward+backward time of the token embedding (first stage only)."""
     head_s: float = 0.0
     """Forward+backward time of the final norm, LM head and loss (last stage only)."""
+    layer_split_s: float = 0.0
+    """Of a layer's time for the whole profiled batch, what each micro-batch pays however
+    few its tokens (weights re-read, gradients written): see :mod:`xronos.planner.pipesearch`."""
+    head_split_s: float = 0.0
+    """The same for the LM head."""
     send_s: float = 0.0
     """Time to send activations to the next stage and receive their gradients (not last)."""
     layer_bytes: int = 0
@@ -90,6 +95,9 @@ class PipelinePlan:
     ranks: tuple[int, ...] = ()
     """Which rank of the cluster runs stage ``j`` (``ranks[j]``); empty = stage ``j`` on
     rank ``j`` (plans written before the stage order was searched)."""
+    step_extra_s: float = 0.0
+    """Predicted time once per step outside the schedule: the first and last stages swap
+    their gradients of a tied embedding (:mod:`xronos.pipeline.runner`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(str(d) for d in self.devices))
@@ -140,10 +148,12 @@ class PipelinePlan:
 
     @property
     def predicted_step_s(self) -> float:
-        """``Σ_j t_j + (m − 1) · max_j t_j``: a GPipe/1F1B step (nan without predictions)."""
+        """``Σ_j t_j + (m − 1) · max_j t_j`` (a GPipe/1F1B step) plus ``step_extra_s`` (nan
+        without predictions)."""
         if not self.predicted_stage_s:
             return math.nan
-        return sum(self.predicted_stage_s) + (self.num_microbatches - 1) * self.bottleneck_s
+        schedule = sum(self.predicted_stage_s) + (self.num_microbatches - 1) * self.bottleneck_s
+        return schedule + self.step_extra_s
 
     # -- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -164,6 +174,7 @@ class PipelinePlan:
                 predicted_stage_s=tuple(d.get("predicted_stage_s", ())),
                 num_microbatches=int(d["num_microbatches"]),
                 ranks=tuple(d.get("ranks", ())),
+                step_extra_s=float(d.get("step_extra_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(

@@ -4,8 +4,11 @@
 exactly. This module searches around it, all of it pure:
 
 - **Stage costs per micro-batch** (:func:`device_stages`, :func:`stage_costs_for`): a
-  device's profile is measured on the whole batch, and costs scale with the tokens, so a
-  micro-batch of ``B/k`` of the ``B`` profiled sequences costs ``1/k`` of the batch. A stage
+  device's profile is measured on the whole batch; a micro-batch of ``B/k`` of the ``B``
+  profiled sequences costs ``1/k`` of it plus ``(1 − 1/k)`` of the profile's ``split_s``
+  (what each extra pass costs however few its tokens: the weights are read and their
+  gradients written once per pass), so that ``k`` micro-batches cost the whole batch plus
+  ``(k − 1)`` passes — on a CPU, cutting a small batch is far from free. A stage
   that is not last also pays, per micro-batch, its activations sent to the next stage and
   their gradients coming back: ``2 · p2p(B/k·S·H·4 bytes)`` over the pair's link
   (:mod:`xronos.planner.comm`); a CPU cannot overlap that with compute (DESIGN §1).
@@ -19,7 +22,10 @@ exactly. This module searches around it, all of it pure:
 
 A step (one optimizer step, ``grad_accum`` batches) is predicted as GPipe/1F1B's
 ``Σ_j t_j + (m − 1) · max_j t_j``, and for each order and ``m`` the layer split minimises
-exactly that (``plan_pipeline(..., exact_step=True)``).
+exactly that (``plan_pipeline(..., exact_step=True)``). With a tied embedding that trains,
+the first and last stages also swap its gradient once per step (both ways at once): one
+message of ``tied_bytes`` over their pair's link, added to the step (``step_extra_s``) —
+over a slow link often more than the whole schedule.
 """
 
 from __future__ import annotations
@@ -72,10 +78,13 @@ def device_stages(
         per_layer = p.segments["attn"](units["attn"]) + p.segments["mlp"](units["mlp"])
         ub = p.unit_bytes or {}
         layer_bytes = ub.get("attn", 0) * units["attn"] + ub.get("mlp", 0) * units["mlp"]
+        split = p.split_s or {}
         costs = StageCosts(
             name=p.name,
             layer_s=(per_layer + p.replicated_s) / layers,
             head_s=p.segments["vocab"](units["vocab"]),
+            layer_split_s=(split.get("attn", 0.0) + split.get("mlp", 0.0)) / layers,
+            head_split_s=split.get("vocab", 0.0),
             layer_bytes=layer_bytes // layers,
             head_bytes=ub.get("vocab", 0) * units["vocab"],
             memory_bytes=max(0, p.memory_bytes - p.base_bytes) if p.memory_bytes else 0,
@@ -108,9 +117,9 @@ def stage_costs_for(
         out.append(
             replace(
                 c,
-                layer_s=c.layer_s * fraction,
+                layer_s=c.layer_s * fraction + c.layer_split_s * (1.0 - fraction),
                 embed_s=c.embed_s * fraction,
-                head_s=c.head_s * fraction,
+                head_s=c.head_s * fraction + c.head_split_s * (1.0 - fraction),
                 send_s=0.0 if nxt is None else send_s(d, nxt, act_bytes * fraction, fraction),
             )
         )
@@ -142,6 +151,7 @@ def search_pipeline(
     act_bytes: float,
     max_permuted: int = 5,
     must: int | None = None,
+    tied_bytes: float = 0.0,
 ) -> PipelinePlan | None:
     """The fastest pipeline over orders and micro-batch counts (see the module docstring).
 
@@ -152,6 +162,8 @@ def search_pipeline(
         grad_accum: accumulation batches per optimizer step.
         act_bytes: bytes of one batch's activation ``(B, S, H)`` fp32.
         max_permuted: above this many devices, only the given order is tried.
+        tied_bytes: the tied embedding's gradient that the end stages swap every step
+            (0: untied, or the embedding does not train).
 
     Returns:
         The plan with the least predicted step (``ranks`` from ``devices``), or None if
@@ -162,11 +174,11 @@ def search_pipeline(
         if len(order) > num_layers:
             continue
         staged = [devices[i] for i in order]
+        swap = send_s(staged[0], staged[-1], tied_bytes, 1.0) / 2 if tied_bytes else 0.0
         for k in microbatch_counts(batch_size):
             costs = stage_costs_for(staged, fraction=1.0 / k, act_bytes=act_bytes)
-            if best is not None and lower_bound(num_layers, costs, grad_accum * k) >= (
-                best.predicted_step_s
-            ):
+            bound = lower_bound(num_layers, costs, grad_accum * k) + swap
+            if best is not None and bound >= best.predicted_step_s:
                 continue
             try:
                 plan = plan_pipeline(
@@ -178,6 +190,7 @@ def search_pipeline(
                 )
             except UserError:
                 break  # memory does not depend on k: no k fits this order
+            plan = replace(plan, step_extra_s=swap)
             if best is None or plan.predicted_step_s < best.predicted_step_s - 1e-12:
                 best = plan
     return best

@@ -66,6 +66,20 @@ class DeviceProfile:
     traffic: Traffic = field(default_factory=dict)
     """A tensor-parallel step's collectives per barrier at the profiled batch shape
     (:func:`xronos.planner.comm.tp_traffic`); empty in old profiles."""
+    split_s: dict[str, float] = field(default_factory=dict)
+    """Per segment (all units, all layers): seconds each micro-batch beyond the first adds
+    when the batch is cut into several (weights re-read, gradients written per pass);
+    empty: cutting is free (costs scale with tokens)."""
+    tied_grad_bytes: int = 0
+    """Bytes of the tied embedding's gradient when it trains (full fine-tuning of a tied
+    model; 0 otherwise): a pipeline's end stages swap it every step."""
+    step_scale: float = 1.0
+    """The factor the measured segments were scaled by so that they add up to a whole real
+    step on this device (:func:`xronos.profiler.run.scaled`); 1: as measured."""
+    sync_s: float = 0.0
+    """Measured wait per barrier among the profiled devices when each reaches it at the
+    same time on average: how far the slowest of them strays from its mean (a throttled
+    CPU runs in bursts; a busy host preempts). 0: not measured, or one device."""
 
     def replicated_before(self, segment: str, share: Mapping[str, float]) -> float:
         """Replicated work this device does before ``segment``'s barrier."""
@@ -106,6 +120,10 @@ class DeviceProfile:
                 traffic={
                     s: [(int(c), int(b)) for c, b in v] for s, v in d.get("traffic", {}).items()
                 },
+                split_s={k: float(v) for k, v in d.get("split_s", {}).items()},
+                tied_grad_bytes=int(d.get("tied_grad_bytes", 0)),
+                step_scale=float(d.get("step_scale", 1.0)),
+                sync_s=float(d.get("sync_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(

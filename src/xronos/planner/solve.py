@@ -275,6 +275,32 @@ def transfer_by_segment(profiles: Sequence[DeviceProfile]) -> dict[str, float]:
     return net.traffic_s(traffic, [p.name for p in profiles])
 
 
+def sync_by_segment(
+    times: Mapping[str, Sequence[float]], profiles: Sequence[DeviceProfile]
+) -> dict[str, float]:
+    """Per segment, the expected extra wait at its barriers from devices that do not arrive
+    on time (:attr:`~xronos.planner.profile.DeviceProfile.sync_s`, measured when every device
+    brings the same mean work): a barrier whose last device is later than the next by a gap
+    ``g`` waits ``max(0, sync − g/2)`` more — a device that is always last by far waits for
+    no one's bursts but its own, whose mean its compute already counts. The step's own
+    collectives (gradient norm, ...) wait ``sync`` each."""
+    if len(profiles) < 2:
+        return {}
+    sync = max(p.sync_s for p in profiles)
+    traffic = profiles[0].traffic
+    if sync <= 0 or not traffic:
+        return {}
+    out: dict[str, float] = {}
+    for s, entries in traffic.items():
+        count = sum(c for c, _ in entries)
+        if count <= 0:
+            continue
+        t = sorted(times.get(s, ()), reverse=True)
+        gap = (t[0] - t[1]) / count if len(t) > 1 else 0.0
+        out[s] = count * max(0.0, sync - gap / 2)
+    return out
+
+
 def transfer_time(profiles: Sequence[DeviceProfile]) -> float:
     """Per-step collective time of tensor parallelism over these devices (Σ of
     :func:`transfer_by_segment`)."""
@@ -299,6 +325,7 @@ def predict(
     """
     times = _segment_times(plan, profiles, _shares(replicated_share))
     by_segment = transfer_by_segment(profiles)
+    jitter = sync_by_segment(times, profiles)
     segments: dict[str, Any] = {}
     for s, t in times.items():
         barrier = max(t)
@@ -307,11 +334,13 @@ def predict(
             "barrier_s": barrier,
             "idle_s": [barrier - x for x in t],
             "transfer_s": by_segment.get(s, 0.0),
+            "sync_s": jitter.get(s, 0.0),
         }
     n = plan.world_size
     transfer = sum(by_segment.values())
+    sync = sum(jitter.values())
     compute = sum(seg["barrier_s"] for seg in segments.values())
-    step = compute + transfer
+    step = compute + transfer + sync
     idle = [sum(seg["idle_s"][i] for seg in segments.values()) for i in range(n)]
     ratio = [x / step if step > 0 else 0.0 for x in idle]
     return {
@@ -324,6 +353,7 @@ def predict(
         "idle_ratio_max": max(ratio),
         "compute_step_s": compute,
         "transfer_s": transfer,
+        "sync_s": sync,
         "step_time_s": step,
     }
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
-from xronos.model.llama import MLP, Attention, RMSNorm
+from xronos.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, init_weights
 from xronos.model.lora import LoRAConfig, add_lora
 from xronos.model.rope import RotaryEmbedding
 from xronos.parallel.vocab import vocab_parallel_cross_entropy
@@ -83,13 +83,17 @@ def _train_step_fn(
     module: nn.Module,
     make_input: Callable[[], torch.Tensor],
     loss_of: Callable[[torch.Tensor], torch.Tensor],
+    passes: int = 1,
 ) -> Callable[[], None]:
+    """One training step: forward and backward of the input cut into ``passes`` parts
+    along the batch (gradients accumulating, as in gradient accumulation or a pipeline's
+    micro-batches), then the update."""
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-6) if params else None
 
     def run() -> None:
-        x = make_input()
-        loss_of(module_out(module, x)).backward()
+        for x in make_input().chunk(passes):
+            loss_of(module_out(module, x)).backward()
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -134,19 +138,20 @@ def _segment_module(seg: str, units: int, shape: Shape) -> nn.Module:
     return module
 
 
-def time_layer_segment(seg: str, units: int, shape: Shape, repeats: int) -> float:
-    """Forward+backward+update seconds of one layer's ``seg`` shard with ``units`` units."""
+def time_layer_segment(seg: str, units: int, shape: Shape, repeats: int, passes: int = 1) -> float:
+    """Forward+backward+update seconds of one layer's ``seg`` shard with ``units`` units
+    (the batch cut into ``passes`` micro-batches)."""
     h = shape.cfg.hidden_size
     module = _segment_module(seg, units, shape)
     gen = torch.Generator().manual_seed(0)
     x0 = torch.randn(shape.batch_size, shape.seq_len, h, generator=gen)
     return best_time(
-        _train_step_fn(module, lambda: x0.clone().requires_grad_(True), lambda y: y.sum()),
+        _train_step_fn(module, lambda: x0.clone().requires_grad_(True), lambda y: y.sum(), passes),
         repeats=repeats,
     )
 
 
-def time_vocab(units: int, shape: Shape, repeats: int) -> float:
+def time_vocab(units: int, shape: Shape, repeats: int, passes: int = 1) -> float:
     """Forward+backward(+update) seconds of ``units`` vocabulary rows with the parallel CE."""
     cfg = shape.cfg
     rows = min(units * shape.vocab_chunk, cfg.vocab_size)
@@ -158,10 +163,12 @@ def time_vocab(units: int, shape: Shape, repeats: int) -> float:
     targets = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
 
     def loss_of(logits: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits.float(), targets, 0, TPGroup())
+        part = targets[: logits.shape[0]]  # every part's rows stand for as many targets
+        return vocab_parallel_cross_entropy(logits.float(), part, 0, TPGroup())
 
     return best_time(
-        _train_step_fn(head, lambda: h0.clone().requires_grad_(True), loss_of), repeats=repeats
+        _train_step_fn(head, lambda: h0.clone().requires_grad_(True), loss_of, passes),
+        repeats=repeats,
     )
 
 
@@ -198,23 +205,72 @@ def time_replicated(shape: Shape, repeats: int) -> float:
     return best_time(_train_step_fn(module, lambda: ids, lambda y: y.sum()), repeats=repeats)
 
 
-def measure_segments(shape: Shape, repeats: int = 2) -> tuple[dict[str, CostCurve], float]:
-    """Fitted per-step cost curves of attn / mlp / vocab, and the replicated seconds."""
+@dataclass(frozen=True)
+class SegmentTimes:
+    """What :func:`measure_segments` measures."""
+
+    curves: dict[str, CostCurve]
+    """Per segment: the cost of that many units per training step (all layers)."""
+    replicated_s: float
+    """Per-step seconds of the work every device repeats."""
+    split_s: dict[str, float]
+    """Per segment, all units, all layers: the seconds each micro-batch beyond the first
+    adds when the step's batch is cut into several (a pipeline's micro-batches): each
+    pass re-reads the weights and writes their gradients, however few its tokens."""
+    scale: float = 1.0
+    """The factor these times were scaled by to match a whole real step (1: as measured)."""
+
+
+def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
+    """Fitted per-step cost curves of attn / mlp / vocab, the replicated seconds, and what
+    cutting the batch in two costs (measured at the larger unit point, scaled to all units;
+    0 for a batch of one sequence, which cannot be cut)."""
     totals = segment_units(shape.cfg, shape.mlp_chunk, shape.vocab_chunk)
     curves: dict[str, CostCurve] = {}
+    split: dict[str, float] = {}
     layers = shape.cfg.num_layers
+    cut = shape.batch_size >= 2
     time_layer_segment("mlp", 1, shape, repeats=1)  # warm the allocator and the kernels
     for seg in ("attn", "mlp"):
         step = shape.cfg.q_per_kv if seg == "attn" else 1
-        pts = [
-            (u, time_layer_segment(seg, u, shape, repeats)) for u in unit_points(totals[seg], step)
-        ]
+        units = unit_points(totals[seg], step)
+        pts = [(u, time_layer_segment(seg, u, shape, repeats)) for u in units]
         one = fit_line(pts)
         curves[seg] = CostCurve(one.a * layers, one.b * layers)
-    curves["vocab"] = fit_line(
-        [(u, time_vocab(u, shape, repeats)) for u in unit_points(totals["vocab"])]
-    )
-    return curves, time_replicated(shape, repeats)
+        u, whole = pts[-1]
+        two = time_layer_segment(seg, u, shape, repeats, passes=2) if cut else whole
+        split[seg] = max(two - whole, 0.0) * layers * totals[seg] / u
+    vocab = [(u, time_vocab(u, shape, repeats)) for u in unit_points(totals["vocab"])]
+    curves["vocab"] = fit_line(vocab)
+    u, whole = vocab[-1]
+    two = time_vocab(u, shape, repeats, passes=2) if cut else whole
+    split["vocab"] = max(two - whole, 0.0) * totals["vocab"] / u
+    return SegmentTimes(curves, time_replicated(shape, repeats), split)
+
+
+def time_whole_step(shape: Shape, repeats: int = 1) -> float:
+    """Seconds of one real training step of the whole model on this device (random weights,
+    LoRA when profiled with it), after one untimed step: what the segments' sum stands
+    for, with everything the parts leave out (the model's own Python, the loss, one
+    optimizer over every parameter, caches shared between layers)."""
+    cfg = shape.cfg
+    model = LlamaForCausalLM(cfg)
+    init_weights(model, seed=0)
+    if shape.lora is not None:
+        add_lora(model, shape.lora, seed=0)
+        for name, p in model.named_parameters():
+            p.requires_grad_(".lora_" in name)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (shape.batch_size, shape.seq_len), generator=gen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-6)
+
+    def step() -> None:
+        model.loss_sum(ids, ids).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return best_time(step, repeats=repeats, warmup=1)
 
 
 def unit_bytes(shape: Shape) -> dict[str, int]:

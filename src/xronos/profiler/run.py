@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import json
 import os
+import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -21,8 +22,16 @@ import torch.distributed as dist
 from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
 from xronos.planner.comm import LinkModel, star_links, tp_traffic
-from xronos.planner.profile import DeviceProfile
-from xronos.profiler.measure import Shape, base_bytes, measure_segments, unit_bytes
+from xronos.planner.plan import segment_units
+from xronos.planner.profile import CostCurve, DeviceProfile
+from xronos.profiler.measure import (
+    SegmentTimes,
+    Shape,
+    base_bytes,
+    measure_segments,
+    time_whole_step,
+    unit_bytes,
+)
 
 
 def cache_dir() -> Path:
@@ -40,6 +49,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
             "lora": asdict(shape.lora) if shape.lora else None,
             "torch": torch.__version__,
             "attn_unit": "query head",  # profiles of KV-group units are not reused
+            "measures": ["split", "sync", "whole step"],  # older profiles are not reused
         },
         sort_keys=True,
         default=str,
@@ -133,7 +143,8 @@ def time_pairs(
             if group.rank in (i, j):
                 peer = ranks[j if group.rank == i else i]
                 points = [
-                    (4 * n, _round_trip(p2p, peer, n, repeats, group.rank == i) / 2) for n in numels
+                    (4 * n, _round_trip(group, p2p, peer, n, repeats, group.rank == i) / 2)
+                    for n in numels
                 ]
                 if group.rank == i:
                     out[(i, j)] = points
@@ -143,21 +154,77 @@ def time_pairs(
     return out
 
 
-def _round_trip(pg: dist.ProcessGroup, peer: int, numel: int, repeats: int, lead: bool) -> float:
+def _round_trip(
+    group: TPGroup, pg: dist.ProcessGroup, peer: int, numel: int, repeats: int, lead: bool
+) -> float:
     """Fastest of ``repeats`` round trips of ``numel`` fp32 values with global rank ``peer``
-    (the leader sends first, the other answers)."""
+    (the leader sends first, the other answers). Links emulated in the communication layer
+    delay each message on arrival, as they delay the strategies' messages."""
     t = torch.zeros(numel)
+    links = group.links if group.delays() is not None else None
+    me = dist.get_rank()
+
+    def arrived() -> None:
+        if links is not None:
+            links.wait(links.message_delay(peer, me, 4 * numel))
+
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         if lead:
             dist.send(t, dst=peer, group=pg)
             dist.recv(t, src=peer, group=pg)
+            arrived()
         else:
             dist.recv(t, src=peer, group=pg)
+            arrived()
             dist.send(t, dst=peer, group=pg)
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+SYNC_ROUND_S = 0.02
+"""Mean compute per round of the barrier measurement: about the time between two
+all-reduces of a tensor-parallel step of a small model on a slow device."""
+SYNC_SPREAD = (0.3, 1.6, 0.7, 1.2, 0.4, 1.9, 0.9, 1.0, 0.5, 1.5, 0.8, 1.2)
+"""Each round's length as a fraction of the mean (the same on every device): a step's
+barriers are unevenly spaced, so a device that runs in bursts meets them at every phase of
+its bursts, not at one it would lock into with equal rounds."""
+
+
+def measure_sync(group: TPGroup, round_s: float = SYNC_ROUND_S) -> float:
+    """The mean wait per barrier beyond the slowest device's mean arrival, when every device
+    brings the same mean compute to it (:attr:`DeviceProfile.sync_s`). Collective.
+
+    Each device sizes a fixed kernel to ``round_s`` of its own speed, times rounds of it
+    (lengths :data:`SYNC_SPREAD`) alone, then the same rounds each closed by a one-float
+    all-reduce; the barrier's cost is the slowest device's synced time minus the slowest
+    alone time minus the all-reduces' own, per round. A device that runs in bursts (a CFS
+    quota) or is preempted arrives late at random; the barrier waits for the latest."""
+    if group.size == 1:
+        return 0.0
+    a, out, flag = torch.randn(96, 96), torch.empty(96, 96), torch.zeros(1)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 10 * round_s:
+        for _ in range(20):
+            torch.mm(a, a, out=out)
+        n += 20
+    work = max(1, int(n / (time.perf_counter() - t0) * round_s))
+
+    def rounds_of(sync: bool) -> float:
+        dist.barrier(group=group.pg)
+        start = time.perf_counter()
+        for f in SYNC_SPREAD:
+            for _ in range(max(1, round(work * f))):
+                torch.mm(a, a, out=out)
+            if sync:
+                dist.all_reduce(flag, group=group.pg)
+        return (time.perf_counter() - start) / len(SYNC_SPREAD)
+
+    alone, synced = rounds_of(False), rounds_of(True)
+    latency = time_allreduce(group, 1)
+    times = group.gather_object((alone, synced))
+    return max(0.0, max(s for _, s in times) - max(a for a, _ in times) - latency)
 
 
 def measure_links(group: TPGroup, numel: int) -> tuple[LinkModel | None, LinkModel | None]:
@@ -184,16 +251,25 @@ def profile_self(
     name: str, shape: Shape, group: TPGroup, memory_cap: int | None, key: str
 ) -> DeviceProfile:
     """Measure this device (call on every rank at once: the all-reduce is collective)."""
-    curves, replicated = measure_segments(shape)
+    measured = scaled(measure_segments(shape), shape, group, memory_cap)
     cfg = shape.cfg
     tokens = shape.batch_size * shape.seq_len
     numel = tokens * cfg.hidden_size
     link, ar_fit = measure_links(group, numel)
+    sync = measure_sync(group)
     names = group.gather_object(name)
     return DeviceProfile(
         name=name,
-        segments=curves,
-        replicated_s=replicated,
+        segments=measured.curves,
+        replicated_s=measured.replicated_s,
+        split_s=measured.split_s,
+        step_scale=measured.scale,
+        tied_grad_bytes=(
+            4 * cfg.vocab_size * cfg.hidden_size
+            if cfg.tie_word_embeddings and shape.lora is None
+            else 0
+        ),
+        sync_s=sync,
         allreduce_s=time_allreduce(group, numel),
         allreduces_per_step=4 * cfg.num_layers + 3,
         link=link,
@@ -209,6 +285,38 @@ def profile_self(
         unit_bytes=unit_bytes(shape),
         base_bytes=base_bytes(shape),
         key=key,
+    )
+
+
+WHOLE_STEP_MAX_S = 3.0
+"""Above this predicted step a device does not time a whole step (it takes the others'
+ratio): profiling stays a few seconds on a slow device."""
+
+
+def scaled(
+    parts: SegmentTimes, shape: Shape, group: TPGroup, memory_cap: int | None
+) -> SegmentTimes:
+    """``parts`` scaled so that their sum for the whole model is a real step's time.
+
+    The segments are timed apart; a real step also runs the model's own Python, the loss
+    and one optimizer over every parameter, and its layers share the caches. Each device
+    times one whole step where it holds the model and it takes at most
+    :data:`WHOLE_STEP_MAX_S`; the ratio real / parts scales every cost (a device that did
+    not time one takes the median ratio of those that did; none: 1). Collective."""
+    totals = segment_units(shape.cfg, shape.mlp_chunk, shape.vocab_chunk)
+    predicted = parts.replicated_s + sum(c(totals[s]) for s, c in parts.curves.items())
+    need = base_bytes(shape) + sum(b * totals[s] for s, b in unit_bytes(shape).items())
+    room = usable_memory(memory_cap)
+    ratio = None
+    if 0 < predicted <= WHOLE_STEP_MAX_S and (room == 0 or need <= room):
+        ratio = time_whole_step(shape) / predicted
+    ratios = [r for r in group.gather_object(ratio) if r is not None]
+    k = ratio if ratio is not None else statistics.median(ratios) if ratios else 1.0
+    return SegmentTimes(
+        {s: CostCurve(c.a * k, c.b * k) for s, c in parts.curves.items()},
+        parts.replicated_s * k,
+        {s: v * k for s, v in parts.split_s.items()},
+        scale=k,
     )
 
 

@@ -13,7 +13,6 @@ from typing import Any
 
 from xronos.comm.launch import WorkerFn, launch
 from xronos.emulation import ClusterSpec, Emulator
-from xronos.emulation.report import links_in_force
 from xronos.emulation.slot import assign_cpus
 from xronos.errors import UserError
 from xronos.utils import atomic_write_text
@@ -98,9 +97,9 @@ def run_on_cluster(
     All emulation state is removed on every exit path.
 
     ``network``: True emulates every device's link (namespaces, ``tc``; latency by netem
-    or the communication layer) and stops with a UserError where that is impossible; None
-    does so when the cluster declares links, and goes on unshaped (reported) where it is
-    impossible; False talks over loopback.
+    or the communication layer); None does so when the cluster declares links; False
+    talks over loopback. Where namespaces cannot be made, rate and latency are emulated in
+    the communication layer instead (reported).
     ``devices_file`` (a run's ``devices.json``) lists, for operators and for tests that
     load or kill a device from outside, each device's name, rank, worker pid, CPUs and
     cgroup directories (empty when not emulated); it is rewritten as each worker starts.
@@ -131,6 +130,7 @@ def run_on_cluster(
         new_run_id(),
         network=wanted,
         require_network=bool(network),
+        comm_fallback=True,
         period_us=cpu_period_us,
     ) as emu:
         for line in emu.report():
@@ -138,7 +138,7 @@ def run_on_cluster(
         if emulation is not None:
             emulation["speeds"] = [s.to_dict() for s in emu.speeds]
             emulation["effective_speed"] = emu.effective_speeds()
-            emulation["links"] = links_in_force(cluster, emu.net is not None, emu.netem)
+            emulation["links"] = emu.links.in_force(cluster)
         host = emu.bridge_ip or "127.0.0.1"
         return launch(
             fn,
@@ -151,6 +151,7 @@ def run_on_cluster(
             on_event=on_event,
             stop_signal=stop_signal,
             latency_s=emu.comm_latencies(),
+            bandwidth_bps=emu.links.comm_bandwidths(),
         )
 
 

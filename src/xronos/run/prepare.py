@@ -176,6 +176,7 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
             grad_accum=cfg.grad_accum,
             plan=_plan_for(cfg, strategy, source, cluster),
             comm_dtype=cfg.comm_dtype,
+            overlap=cfg.overlap,
         ),
         data=DatasetBatches(
             train, cfg.batch_size, seed=cfg.seed, pad_id=tok.pad_id, grad_accum=cfg.grad_accum

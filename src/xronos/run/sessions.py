@@ -60,6 +60,9 @@ class SessionSpec:
     comm_dtype: str = "fp32"
     """Dtype of the tensor-parallel activation all-reduces on the wire (``bf16`` halves
     the bytes; ``fp32`` is exact)."""
+    overlap: bool = False
+    """Tensor parallelism runs each micro-batch as two halves in two lanes, one computing
+    while the other's all-reduce is in flight (:mod:`xronos.train.trainer`)."""
     trial_steps: int = TRIAL_STEPS
     """``auto``: timed steps of each shortlisted candidate before choosing (0: trust the
     predictions alone)."""
@@ -147,6 +150,8 @@ def open_session(
     group = with_payload(group, spec.comm_dtype)
     if s is Strategy.AUTO:
         return open_auto(spec, ctx, group, profiles, first)
+    if spec.overlap and not s.is_pipeline:
+        group = group.with_lanes(ctx.timeout_s)
     if s.is_pipeline and spec.pipeline is None:
         return open_auto(spec, ctx, group, profiles, first, only="pp-1f1b")
     if s.is_pipeline:
@@ -267,6 +272,7 @@ def open_auto(
             tried[_key(c)] = (getattr(session, "plan", None), calibrated)
             if session is not None:
                 session.close()
+            session = None  # a trial's memory is gone before the next one is built
     best = min(shortlist, key=lambda c: trials.get(_key(c), c.predicted_step_s))
     plan, calibrated = tried.get(_key(best), (None, []))
     session, fresh = _open_candidate(spec, ctx, best, measured, first, plan)
@@ -317,6 +323,8 @@ def _open_candidate(
             )
         return None, []
     own = with_payload(own, spec.comm_dtype)
+    if spec.overlap and not isinstance(best.plan, PipelinePlan):
+        own = own.with_lanes(ctx.timeout_s)
     if best.strategy == "single":
         single = Plan.single(cfg, ctx.device)
         return TPSession(spec.source, single, own, spec.optim, Strategy.SINGLE), []

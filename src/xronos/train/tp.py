@@ -15,6 +15,7 @@ import torch
 
 from xronos.checkpoint import load_checkpoint, save_checkpoint
 from xronos.comm.mappings import TPGroup
+from xronos.metrics.overlap import is_laned, lane_phases
 from xronos.metrics.recorder import SpanRecorder, use_recorder
 from xronos.metrics.records import Span, StepRecord
 from xronos.model.llama import LlamaForCausalLM
@@ -30,9 +31,19 @@ from xronos.train.trainer import Trainer
 MAX_EVENTS = 512  # collectives per step that a packed record can carry
 
 
+OVERLAPPED_COMPUTE = "compute.total"
+"""Name of the one span that stands for an overlapped step's compute (:func:`compute_gaps`)."""
+
+
 def compute_gaps(rec: StepRecord) -> list[Span]:
     """The compute spans of a TP step: from the step's start to the first collective and
-    between consecutive collectives, named by the collective that ends them."""
+    between consecutive collectives, named by the collective that ends them. An overlapped
+    step's lanes compute while collectives are in flight, so its compute has no such
+    pieces: one span :data:`OVERLAPPED_COMPUTE` as long as its compute in all."""
+    if is_laned([rec]):
+        parts = [(c, c.start) for c in rec.collectives]  # alone: no rank to wait for
+        total = sum(p.end - p.start for p in lane_phases(rec, parts) if p.kind == "compute")
+        return [Span(OVERLAPPED_COMPUTE, rec.start, rec.start + total, "compute")]
     out, t = [], rec.start
     for i, c in enumerate(rec.collectives):
         out.append(Span(f"{rec.rank}/{i}:{c.name}", t, c.arrive, "compute"))
@@ -123,7 +134,13 @@ class TPSession:
         with use_recorder(rec):
             self._twin.step(micro)
         record = rec.end_step()
-        return compute_gaps(record) if record is not None else []
+        if record is None:
+            return []
+        gaps = compute_gaps(record)
+        if self.group.lanes:  # compared with an overlapped step's compute in all
+            total = sum(g.duration for g in gaps)
+            return [Span(OVERLAPPED_COMPUTE, record.start, record.start + total, "compute")]
+        return gaps
 
     def describe(self) -> dict[str, Any]:
         return self.plan.to_dict()

@@ -16,23 +16,61 @@ units, instead of piling up before the norm all-reduce where no split can even i
 
 Loss = Σ cross-entropy over label tokens / global count of label tokens in the step
 (all micro-batches of gradient accumulation together); a fully masked step gives 0.
+
+**Overlap** (a group with lanes, :meth:`~xronos.comm.mappings.TPGroup.with_lanes`): each
+micro-batch is cut in two halves along the batch, and two threads run them at once, each in
+its own lane, so that one half computes while the other half's all-reduce is on the wire.
+Each half returns its gradients (``torch.autograd.grad``) and they are added in lane order,
+so every rank sums the same numbers in the same order; the norms are then all taken after
+the backward passes. A micro-batch of one sequence, or LoRA with dropout (whose masks are
+drawn in call order), runs as without overlap.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
-from xronos.comm.mappings import TPGroup
+from xronos.comm.mappings import TPGroup, lane
 from xronos.config import ModelConfig
+from xronos.metrics.recorder import current_recorder
+from xronos.metrics.records import LANE
 from xronos.model.llama import LlamaForCausalLM
 from xronos.parallel.shared import shared_rows
 from xronos.parallel.spec import partial_grad, shard_spec
 from xronos.planner.plan import Plan
 from xronos.train.batches import Batch, label_count
 from xronos.train.optim import OptimConfig, adamw, update
+
+T = TypeVar("T")
+
+
+def run_lanes(first: Callable[[], T], second: Callable[[], T]) -> tuple[T, T]:
+    """``first()`` on this thread and ``second()`` on another, at once; both results, or
+    the first error (after both have ended: a lane never outlives its step)."""
+    box: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            box.append(second())
+        except BaseException as e:  # re-raised on the calling thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name="xronos-lane1", daemon=True)
+    thread.start()
+    try:
+        a = first()
+    finally:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return a, box[0]
 
 
 class _BackwardNorms:
@@ -72,6 +110,11 @@ class Trainer:
             for n, _ in named
         ]
         self.optimizer = adamw(self.params, opt)
+        # LoRA dropout draws its masks from one generator per module, in call order: two
+        # lanes drawing at once would not draw the single-device run's masks.
+        self.lanes = bool(group.lanes) and not any(
+            getattr(m, "dropout", 0.0) > 0 for m in model.modules() if hasattr(m, "dropout_gen")
+        )
         self.steps_done = 0
         self.lr = opt.lr
         # Norms taken in backward (see the module docstring). The hooks hold only this
@@ -88,15 +131,26 @@ class Trainer:
         """Forward, backward and update over ``micro_batches``; returns (loss, grad norm)."""
         self.model.train()
         denom = float(max(label_count(micro_batches), 1))
-        total = 0.0
-        autocast = (
-            torch.autocast("cpu", dtype=torch.bfloat16)
-            if self.opt_cfg.bf16
-            else contextlib.nullcontext()
-        )
         self._norms.taken.clear()
+        if self.lanes and all(ids.shape[0] >= 2 for ids, _ in micro_batches):
+            total = self._overlapped(micro_batches, denom)
+        else:
+            total = self._sequential(micro_batches, denom)
+        self._sync_partial_grads()
+        norm = self._global_norm()
+        self.lr = update(self.optimizer, self.params, self.opt_cfg, norm, self.steps_done)
+        self.steps_done += 1
+        return total / denom, norm
+
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        if self.opt_cfg.bf16:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _sequential(self, micro_batches: Sequence[Batch], denom: float) -> float:
+        total = 0.0
         for k, (ids, labels) in enumerate(micro_batches):
-            with autocast:
+            with self._autocast():
                 loss_sum = self.model.loss_sum(ids, labels)
             self._norms.active = k == len(micro_batches) - 1
             try:
@@ -104,11 +158,37 @@ class Trainer:
             finally:
                 self._norms.active = False
             total += float(loss_sum.detach())
-        self._sync_partial_grads()
-        norm = self._global_norm()
-        self.lr = update(self.optimizer, self.params, self.opt_cfg, norm, self.steps_done)
-        self.steps_done += 1
-        return total / denom, norm
+        return total
+
+    def _half(
+        self, k: int, ids: torch.Tensor, labels: torch.Tensor, denom: float
+    ) -> tuple[float, tuple[torch.Tensor | None, ...]]:
+        """Forward and backward of one half in lane ``k``: its loss sum and gradients."""
+        with lane(k), current_recorder().compute(f"L{k}", LANE):
+            with self._autocast():
+                loss_sum = self.model.loss_sum(ids, labels)
+            grads = torch.autograd.grad(loss_sum / denom, self.params, allow_unused=True)
+        return float(loss_sum.detach()), grads
+
+    def _overlapped(self, micro_batches: Sequence[Batch], denom: float) -> float:
+        """Every micro-batch as two halves in two lanes (see the module docstring)."""
+        acc: list[torch.Tensor | None] = [p.grad for p in self.params]
+        total = 0.0
+        for ids, labels in micro_batches:
+            first, second = ids.tensor_split(2), labels.tensor_split(2)
+            halves = run_lanes(
+                functools.partial(self._half, 0, first[0], second[0], denom),
+                functools.partial(self._half, 1, first[1], second[1], denom),
+            )
+            for loss_sum, grads in halves:  # lane order: the same sums on every rank
+                total += loss_sum
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        prev = acc[i]
+                        acc[i] = g if prev is None else prev + g
+        for p, g in zip(self.params, acc, strict=True):
+            p.grad = g
+        return total
 
     def _sync_partial_grads(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.partial]

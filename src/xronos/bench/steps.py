@@ -1,0 +1,282 @@
+"""The bench's steps: opening a strategy's session, one timed step of it on every rank,
+its isolated replay, the solo steps, and the two schedules that order them (see
+:mod:`xronos.bench.worker`)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from xronos.comm.launch import WorkerContext
+from xronos.comm.mappings import TPGroup
+from xronos.metrics.recorder import SpanRecorder
+from xronos.metrics.records import Span, StepRecord
+from xronos.metrics.rss import PeakRSS, release, resident_bytes
+from xronos.planner.profile import DeviceProfile
+from xronos.run.sessions import Opened, ProfileSource, SessionSpec, open_session
+from xronos.train.batches import Batch, RandomBatches, label_count
+from xronos.train.loop import STEP_END, run_step
+from xronos.train.session import Session, Strategy
+from xronos.train.tp import compute_gaps
+
+ISOLATED_REPEATS = 3
+"""Isolated re-runs of the last step per strategy; the stall ratio compares the mean
+isolated span with the mean of the same span over every counted step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchJob:
+    spec: SessionSpec
+    """The workload (its ``strategy`` is replaced by each of ``strategies``)."""
+    strategies: tuple[Strategy, ...]
+    steps: int
+    """Counted steps per strategy."""
+    warmup: int
+    """Uncounted steps per strategy before them."""
+    profiles: ProfileSource
+    fastest: int
+    """The rank that runs ``single``."""
+    solo: bool = True
+    """Measure every device running the whole model alone (for the ideal step time)."""
+    seed: int = 0
+
+
+@dataclass
+class StrategyLog:
+    """What rank 0 keeps of one strategy's steps."""
+
+    records: list[list[StepRecord]] = field(default_factory=list)
+    """Every rank's record, per step."""
+    losses: list[float] = field(default_factory=list)
+    observed: list[Span] = field(default_factory=list)
+    """Compute spans of the counted steps, every rank's."""
+    isolated: list[Span] = field(default_factory=list)
+    """The same spans with no communication in flight, every rank's."""
+    plan: dict[str, object] = field(default_factory=dict)
+    """What the session describes (a Plan or a PipelinePlan as a dict)."""
+    tokens: int = 0
+    """Label tokens per step (:func:`~xronos.train.batches.label_count`)."""
+
+
+def _observed(session: Session, rec: StepRecord, rank: int) -> list[Span]:
+    """This rank's compute spans of one step, named to match its isolated replay."""
+    if session.strategy.is_pipeline:
+        return _ranked(rec.computes, rank)
+    c = rec.collectives
+    if c and c[-1].name == STEP_END:  # the replay has no step.end: end the step there
+        rec = replace(rec, collectives=c[:-1], end=c[-1].arrive)
+    return compute_gaps(rec)
+
+
+def _ranked(spans: tuple[Span, ...] | list[Span], rank: int) -> list[Span]:
+    """Span names made unique across ranks (stall ratios match spans by name)."""
+    return [Span(f"{rank}/{s.name}", s.start, s.end, s.kind) for s in spans]
+
+
+def _open(
+    job: BenchJob,
+    s: Strategy,
+    ctx: WorkerContext,
+    profiles: Callable[[], list[DeviceProfile]],
+    first: list[Batch],
+) -> Opened | None:
+    """Open strategy ``s``'s session (None on a rank that has no part in it)."""
+    spec = replace(job.spec, strategy=s)
+    if s is not Strategy.SINGLE:
+        return open_session(spec, ctx, ctx.group, profiles, first)
+    if ctx.rank != job.fastest:
+        return None
+    solo = WorkerContext(0, 1, ctx.device, TPGroup(), ctx.timeout_s, (ctx.device,))
+    return open_session(spec, solo, TPGroup(), profiles, first)
+
+
+class Run:
+    """The strategies' sessions and steps on this rank."""
+
+    def __init__(
+        self,
+        job: BenchJob,
+        ctx: WorkerContext,
+        profiles: Callable[[], list[DeviceProfile]],
+        peak: PeakRSS,
+        logs: dict[Strategy, StrategyLog],
+    ) -> None:
+        self.job, self.ctx, self.profiles, self.peak, self.logs = job, ctx, profiles, peak, logs
+        self.peaks: dict[Strategy, int] = {}
+        """Per strategy: this process's peak resident bytes during its steps (its turn)."""
+        self.starts: dict[Strategy, int] = {}
+        """Per strategy: resident bytes when its first step (its turn) began."""
+        self.planning_s = 0.0
+        self.calibrated: list[DeviceProfile] | None = None
+        self.auto: dict[str, object] | None = None
+        self.first = self._data().peek()
+
+    def _data(self) -> RandomBatches:
+        cfg, shape = self.job.spec.source.cfg, self.job.spec.shape
+        return RandomBatches(cfg.vocab_size, shape.batch_size, shape.seq_len, seed=self.job.seed)
+
+    def open(self, s: Strategy) -> Session | None:
+        opened = _open(self.job, s, self.ctx, self.profiles, self.first)
+        if s is Strategy.XRONOS and opened is not None:
+            self.planning_s, self.calibrated = opened.seconds, opened.calibrated
+        if s is Strategy.AUTO and opened is not None and opened.choice and opened.ran:
+            self.auto = {
+                **opened.choice.to_dict(),
+                "ran": opened.ran.to_dict(),
+                "chosen_strategy": opened.ran.strategy,
+                "predicted_best": opened.choice.chosen.strategy,
+                "trials": opened.trials,
+                "seconds": opened.seconds,
+            }
+        return opened.session if opened else None
+
+    def _step(self, s: Strategy, session: Session | None, micro: list[Batch], step: int) -> None:
+        _step(session, micro, self.ctx, self.logs[s], counted=step >= self.job.warmup)
+
+    def _finish(self, s: Strategy, session: Session | None, micro: list[Batch], iso: bool) -> None:
+        if iso:
+            _isolated(session, micro, self.ctx, self.logs[s])
+        described = self.ctx.group.gather_object(session.describe() if session else None)
+        self.logs[s].plan = next(d for d in described if d is not None)
+        if session is not None:
+            session.close()
+
+    def _solo_ranks(self, runs: tuple[Strategy, ...], solo_ok: list[bool]) -> list[bool]:
+        """Per device: whether it runs the whole model alone for its solo time (not where
+        it cannot hold it, nor on the fastest device when ``single`` measures it)."""
+        single = Strategy.SINGLE in runs
+        return [
+            self.job.solo and ok and not (single and r == self.job.fastest)
+            for r, ok in enumerate(solo_ok)
+        ]
+
+    def _solo(self, runs: tuple[Strategy, ...], solo_ok: list[bool]) -> Session | None:
+        if not self._solo_ranks(runs, solo_ok)[self.ctx.rank]:
+            return None
+        spec = replace(self.job.spec, strategy=Strategy.SINGLE)
+        ctx = self.ctx
+        alone = WorkerContext(0, 1, ctx.device, TPGroup(), ctx.timeout_s, (ctx.device,))
+        return open_session(spec, alone, TPGroup(), self.profiles, self.first).session
+
+    def interleaved(self, runs: tuple[Strategy, ...], solo_ok: list[bool]) -> list[list[float]]:
+        """Every strategy's session open at once, taking turns step by step."""
+        job, ctx = self.job, self.ctx
+        sessions = {s: self.open(s) for s in runs}
+        solo = self._solo(runs, solo_ok)
+        solo_times: list[list[float]] = [[] for _ in range(ctx.world_size)]
+        data, micro, n = self._data(), [], max(len(runs), 1)
+        for step in range(job.warmup + job.steps):
+            micro = data.next_step()
+            k = step % n
+            for s in runs[k:] + runs[:k]:
+                self.starts.setdefault(s, resident_bytes())
+                self.peak.reset()
+                self._step(s, sessions[s], micro, step)
+                self.peaks[s] = max(self.peaks.get(s, 0), self.peak.peak_bytes())
+            if job.solo:
+                for r, t in enumerate(_solo_step(solo, micro, ctx)):
+                    if t is not None and step >= job.warmup:
+                        solo_times[r].append(t)
+        if solo is not None:
+            solo.close()
+        for s in runs:
+            self._finish(s, sessions[s], micro, iso=True)
+        return solo_times
+
+    def in_turn(self, runs: tuple[Strategy, ...], solo_ok: list[bool]) -> list[list[float]]:
+        """One strategy at a time, alone in memory; then the solo steps."""
+        job, ctx = self.job, self.ctx
+        for s in runs:
+            release()
+            self.starts[s] = resident_bytes()
+            self.peak.reset()
+            session = self.open(s)
+            data, micro = self._data(), []
+            for step in range(job.warmup + job.steps):
+                micro = data.next_step()
+                self._step(s, session, micro, step)
+            self._finish(s, session, micro, iso=s.is_pipeline)
+            self.peaks[s] = self.peak.peak_bytes()
+            del session
+            release()
+        solo_times: list[list[float]] = [[] for _ in range(ctx.world_size)]
+        solo = self._solo(runs, solo_ok)
+        if any(self._solo_ranks(runs, solo_ok)):
+            data = self._data()
+            for step in range(job.warmup + job.steps):
+                for r, t in enumerate(_solo_step(solo, data.next_step(), ctx)):
+                    if t is not None and step >= job.warmup:
+                        solo_times[r].append(t)
+        if solo is not None:
+            solo.close()
+        return solo_times
+
+
+def _solo_step(
+    session: Session | None, micro: list[Batch], ctx: WorkerContext
+) -> list[float | None]:
+    """Each device in turn runs one step of its whole model while the others wait; every
+    device's step time (None where it has no solo session), on every rank."""
+    out: list[float | None] = []
+    for r in range(ctx.world_size):
+        ctx.group.barrier()
+        t: float | None = None
+        if r == ctx.rank and session is not None:
+            rec = SpanRecorder(ctx.rank, ctx.device)
+            outcome = run_step(session, micro, TPGroup(), rec)
+            t = outcome.records[0].duration if outcome.records else None
+        out.append(ctx.group.gather_object(t)[r])
+    return out
+
+
+def solo_medians(
+    times: list[list[float]], logs: dict[Strategy, StrategyLog], job: BenchJob
+) -> list[float | None]:
+    out: list[float | None] = [statistics.median(t) if t else None for t in times]
+    single = logs.get(Strategy.SINGLE)
+    if single is not None and single.records:
+        counted = [r[0].duration for r in single.records[job.warmup :] if r]
+        out[job.fastest] = statistics.median(counted) if counted else None
+    return out
+
+
+def _step(
+    session: Session | None, micro: list[Batch], ctx: WorkerContext, log: StrategyLog, counted: bool
+) -> None:
+    """One step of one strategy on every rank (those without a part in it wait)."""
+    group = ctx.group
+    group.barrier()
+    rec = SpanRecorder(ctx.rank, ctx.device, enabled=session is not None)
+    mine: StepRecord | None = None
+    loss = float("nan")
+    records: list[StepRecord] = []
+    if session is not None:
+        own = session.group
+        outcome = run_step(session, micro, own, rec, end_collective=own.size > 1)
+        loss, records = outcome.result.loss, outcome.records
+        mine = next((r for r in records if r.rank == ctx.rank), None)
+        if mine is not None and counted:
+            log.observed += _observed(session, mine, ctx.rank)
+    if session is None or session.group.size < group.size:  # some ranks had no part
+        records = [r for r in group.gather_object(mine) if r is not None]
+        loss = next(x for x in group.gather_object(loss) if x == x)
+    if ctx.rank == 0:
+        log.records.append(records)
+        log.losses.append(loss)
+        log.tokens = label_count(micro)
+
+
+def _isolated(
+    session: Session | None, micro: list[Batch], ctx: WorkerContext, log: StrategyLog
+) -> None:
+    spans: list[Span] = []
+    for _ in range(ISOLATED_REPEATS):
+        ctx.group.barrier()
+        if session is not None:
+            got = session.isolated_compute(micro)
+            spans += got if not session.strategy.is_pipeline else _ranked(got, ctx.rank)
+    both = ctx.group.gather_object((log.observed, spans))
+    if ctx.rank == 0:
+        log.observed = [s for o, _ in both for s in o]
+        log.isolated = [s for _, i in both for s in i]
