@@ -17,6 +17,7 @@ from xronos.cli import main
 def test_two_link_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sweep"
     argv = ["bench", "--scenario", "smoke", "--out", str(out), "--links", "loopback,200Mbit"]
+    argv += ["--comm-dtype", "fp32"]  # exact payloads: the losses are compared
     # ci-2dev-even: both devices at full speed, so no start-up speed check to wait for
     argv += ["--cluster", "ci-2dev-even", "--strategies", "tp-even,single"]
     argv += ["--steps", "1", "--warmup", "0"]

@@ -75,6 +75,7 @@ def test_bench_runs_a_saved_checkpoint_with_lora(tmp_path: Path) -> None:
     make_checkpoint(ckpt, vocab=96, hidden=64, layers=2, heads=8, kv_heads=4)
     out = tmp_path / "bench"
     argv = ["bench", "--scenario", "smoke", "--model", str(ckpt), "--lora-rank", "4"]
+    argv += ["--comm-dtype", "fp32"]  # exact payloads: the losses are compared
     argv += ["--strategies", "xronos,single", "--steps", "1", "--warmup", "0", "--out", str(out)]
     assert main(argv) == 0
     bench = json.loads((out / "bench.json").read_text())

@@ -26,12 +26,13 @@ KEYS = {
 }
 # Same seed, same data, same mathematics: per-step losses agree to fp32 reassociation.
 LOSS_RTOL = 1e-4
+EXACT = ["--comm-dtype", "fp32"]  # exact payloads: the losses are compared with single's
 
 
 @pytest.mark.slow
 def test_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench"
-    assert main(["bench", "--scenario", "smoke", "--out", str(out), "--no-cache"]) == 0
+    assert main(["bench", "--scenario", "smoke", "--out", str(out), "--no-cache", *EXACT]) == 0
     bench = json.loads((out / "bench.json").read_text())
     assert {"scenario", "model", "devices", "ideal_step_time_s", "strategies"} <= bench.keys()
     # every device ran the whole model alone, and the ideal is their compute bound alone

@@ -27,6 +27,8 @@ SMALL = [
     "--warmup-steps",
     "2",
     "--no-emulate",
+    "--comm-dtype",
+    "fp32",  # exact payloads: the losses are compared with single's
 ]
 # Losses of a resumed run equal the uninterrupted run's: same data order (the batcher's
 # position is in the checkpoint), same optimizer state. Onto another plan only the order of

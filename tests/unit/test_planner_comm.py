@@ -153,3 +153,25 @@ def test_transfer_enters_the_prediction_per_barrier() -> None:
     # One device moves nothing, whatever its link.
     solo = predict(plan_tp(cfg, slow[:1]), slow[:1])
     assert solo["transfer_s"] == 0.0
+
+
+def test_bf16_payloads_halve_the_activation_all_reduces_only() -> None:
+    from xronos.planner.profile import CostCurve, DeviceProfile, on_the_wire
+    from xronos.run.sessions import wire_bytes
+
+    traffic = tp_traffic(num_layers=2, hidden_size=8, tokens=16, tied_embeddings=True)
+    p = DeviceProfile(
+        name="a",
+        segments={s: CostCurve(0, 1) for s in ("attn", "mlp", "vocab")},
+        replicated_s=0.0,
+        traffic=traffic,
+    )
+    assert wire_bytes("fp32") == 4 and wire_bytes("bf16") == 2
+    (half,) = on_the_wire([p], wire_bytes("bf16"))
+    act = 4 * 16 * 8
+    assert half.traffic["attn"] == [(4, act // 2)] and half.traffic["mlp"] == [(4, act // 2)]
+    # the loss's statistics and the gradient norm keep their size; the embedding's
+    # activation all-reduce (tied, vocab-parallel) is halved like the others
+    assert half.traffic["vocab"] == [(1, act // 2), (1, 8 * 16)]
+    assert half.traffic["step"] == [(1, 4), (1, act // 2)]
+    assert on_the_wire([p], 4)[0].traffic == traffic

@@ -57,9 +57,9 @@ from xronos.parallel.shard import build_meta
 from xronos.planner.auto import AutoChoice, plan_auto
 from xronos.planner.memory import tp_need, within_caps
 from xronos.planner.plan import Plan, segment_units
-from xronos.planner.profile import DeviceProfile
+from xronos.planner.profile import DeviceProfile, on_the_wire
 from xronos.planner.solve import predict
-from xronos.run.sessions import Profiles
+from xronos.run.sessions import Profiles, wire_bytes
 from xronos.train.session import Strategy
 
 __all__ = ["BenchJob", "BenchOutput", "StrategyLog", "bench_worker"]
@@ -137,7 +137,7 @@ def _memory_setup(ctx: WorkerContext, job: BenchJob, profiles: Profiles) -> _Mem
     view = within_caps(measured, caps, runtime)
     choice = plan_auto(
         cfg,
-        view,
+        on_the_wire(view, wire_bytes(job.spec.comm_dtype)),
         batch_size=shape.batch_size,
         seq_len=shape.seq_len,
         grad_accum=job.spec.grad_accum,
@@ -183,7 +183,7 @@ def bench_worker(ctx: WorkerContext, job: BenchJob) -> BenchOutput | None:
         profile_s=profiles.seconds,
         peak_rss_mb=lifetime,
         solo_step_time_s=solo_medians(solo_times, run.logs, job),
-        predicted_step_time_s=predictions(job, mem.choice, calibrated, run.logs, run.auto),
+        predicted_step_time_s=predictions(job, mem.choice, view or measured, run.logs, run.auto),
         auto=run.auto,
         strategy_peak_mb={s: [p[s] / MIB for p in peaks] for s in runs},
         strategy_start_mb={s: [p[s] / MIB for p in starts] for s in runs},
@@ -228,13 +228,15 @@ def _predicted_memory(
 def predictions(
     job: BenchJob,
     choice: AutoChoice | None,
-    calibrated: list[DeviceProfile],
+    profiles: list[DeviceProfile],
     logs: dict[Strategy, StrategyLog],
     auto: dict[str, object] | None,
 ) -> dict[Strategy, float | None]:
     """Each strategy's predicted step from the profiles (communication included): the
-    planner's own candidates for single, tp-even and the pipelines; the calibrated plan
-    for xronos; what ran for auto."""
+    planner's own candidates for single, tp-even and the pipelines; for xronos the plan it
+    ran (after calibration), predicted from the measured profiles like every other (the
+    calibrated ones are fitted to that plan's own passes, not to whole steps); what ran for
+    auto."""
     if choice is None:
         return {}
 
@@ -254,7 +256,8 @@ def predictions(
             out[s] = candidate("pp-1f1b")
         elif s is Strategy.XRONOS and s in logs:
             plan = Plan.from_dict(dict(logs[s].plan))
-            out[s] = float(predict(plan, calibrated)["step_time_s"])
+            wire = on_the_wire(profiles, wire_bytes(job.spec.comm_dtype))
+            out[s] = float(predict(plan, wire)["step_time_s"])
         elif s is Strategy.AUTO and auto is not None:
             ran = auto["ran"]
             out[s] = ran.get("predicted_step_s") if isinstance(ran, dict) else None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from xronos.errors import UserError
@@ -169,3 +169,20 @@ def load_profiles(path: str) -> tuple[list[DeviceProfile], dict[str, Any]]:
     if not devices:
         raise UserError(f"{path}: no devices in profile; re-run `xronos profile`")
     return devices, data
+
+
+def on_the_wire(profiles: Sequence[DeviceProfile], element_size: int) -> list[DeviceProfile]:
+    """``profiles`` with the activation all-reduces of their traffic sent in elements of
+    ``element_size`` bytes (2: ``--comm-dtype bf16``) instead of fp32's 4; other
+    collectives (the loss's statistics, the gradient norm) keep their size."""
+    if element_size == 4:
+        return list(profiles)
+    out = []
+    for p in profiles:
+        act = max((b for entries in p.traffic.values() for _, b in entries), default=0)
+        traffic = {
+            s: [(c, b * element_size // 4 if b == act else b) for c, b in entries]
+            for s, entries in p.traffic.items()
+        }
+        out.append(replace(p, traffic=traffic))
+    return out

@@ -25,7 +25,7 @@ from xronos.pipeline.session import PipelineSession
 from xronos.planner import PipelinePlan, plan_tp
 from xronos.planner.auto import AutoChoice, Candidate, plan_auto
 from xronos.planner.plan import Plan
-from xronos.planner.profile import DeviceProfile
+from xronos.planner.profile import DeviceProfile, on_the_wire
 from xronos.profiler.calibrate import plan_with_calibration
 from xronos.profiler.measure import Shape
 from xronos.profiler.run import profile_self, share_profiles
@@ -196,6 +196,12 @@ PAYLOADS = {"fp32": None, "bf16": torch.bfloat16}
 """``--comm-dtype`` -> the dtype activations travel in (None: their own)."""
 
 
+def wire_bytes(comm_dtype: str) -> int:
+    """Bytes per element of the activation all-reduces under ``--comm-dtype``."""
+    payload = PAYLOADS.get(comm_dtype)
+    return 4 if payload is None else torch.finfo(payload).bits // 8
+
+
 def with_payload(group: TPGroup, comm_dtype: str) -> TPGroup:
     """``group`` sending its activation all-reduces in ``comm_dtype``."""
     if comm_dtype not in PAYLOADS:
@@ -244,7 +250,7 @@ def open_auto(
     cfg, shape, measured = spec.source.cfg, spec.shape, profiles()
     choice = plan_auto(
         cfg,
-        measured,
+        on_the_wire(measured, wire_bytes(spec.comm_dtype)),
         batch_size=shape.batch_size,
         seq_len=shape.seq_len,
         grad_accum=spec.grad_accum,
