@@ -35,8 +35,9 @@ from xronos.train.session import Session, Strategy
 from xronos.train.source import ModelSource
 from xronos.train.tp import TPSession
 
-TRIAL_STEPS = 2
-"""Timed steps (after one untimed) that ``auto`` runs of each shortlisted candidate."""
+TRIAL_STEPS = 4
+"""Timed steps (after one untimed) that ``auto`` runs of each shortlisted candidate; their
+median decides. Two were too few on a noisy host: candidates 10 % apart swapped places."""
 SHORTLIST = 3
 """How many of the best-predicted candidates ``auto`` measures before it chooses."""
 
