@@ -21,9 +21,12 @@ import torch.distributed as dist
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
+from xronos.metrics.rss import release, resident_bytes
+from xronos.parallel.shard import build_meta
 from xronos.pipeline.session import PipelineSession
 from xronos.planner import PipelinePlan, plan_tp
 from xronos.planner.auto import AutoChoice, Candidate, plan_auto
+from xronos.planner.memory import within_caps
 from xronos.planner.plan import Plan
 from xronos.planner.profile import DeviceProfile, on_the_wire
 from xronos.profiler.calibrate import plan_with_calibration
@@ -90,6 +93,8 @@ class Profiles:
     source: ProfileSource
     measured: list[DeviceProfile] | None = None
     seconds: float = 0.0
+    runtime: list[int] | None = None
+    """Per device: the bytes its process holds before any model (measured once)."""
 
     def get(self) -> list[DeviceProfile]:
         """Every device's profile, in rank order (collective on first call)."""
@@ -109,6 +114,21 @@ class Profiles:
                 self.measured = share_profiles(mine, self.ctx.group)
             self.seconds = time.perf_counter() - t0
         return self.measured
+
+    def usable(self) -> list[DeviceProfile]:
+        """:meth:`get`, with each capped device's usable memory its cap less the bytes its
+        process holds before any model (interpreter, torch, the collectives' library),
+        measured once on every rank (collective on first call). A device with no cap keeps
+        its profile; so does every device when none is capped."""
+        measured = self.get()
+        caps = self.source.memory_caps
+        if not caps or all(c is None for c in caps):
+            return measured
+        if self.runtime is None:
+            build_meta(self.shape.cfg)  # what building a model loads counts as runtime
+            release()
+            self.runtime = [int(b) for b in self.ctx.group.gather_object(resident_bytes())]
+        return within_caps(measured, caps, self.runtime)
 
 
 @dataclass

@@ -168,7 +168,7 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     signal.signal(signal.SIGUSR1, _request_stop)
     torch.manual_seed(job.seed)
     profiles = Profiles(ctx, job.session.shape, job.profiles)
-    opened = open_session(job.session, ctx, ctx.group, profiles.get, job.data.peek())
+    opened = open_session(job.session, ctx, ctx.group, profiles.usable, job.data.peek())
     session = opened.session
     _emit_plan(ctx, opened, profiles)
     if session is None:  # auto left this device out: it has nothing to do
