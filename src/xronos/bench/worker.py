@@ -50,10 +50,7 @@ from xronos.metrics.rss import (
     PeakRSS,
     cgroup_peak,
     enforced_cap,
-    release,
-    resident_bytes,
 )
-from xronos.parallel.shard import build_meta
 from xronos.planner.auto import AutoChoice, plan_auto
 from xronos.planner.memory import tp_need, within_caps
 from xronos.planner.plan import Plan, segment_units
@@ -126,9 +123,7 @@ def _memory_setup(ctx: WorkerContext, job: BenchJob, profiles: Profiles) -> _Mem
     caps = list(job.profiles.memory_caps)
     planned = set(job.strategies) - {Strategy.SINGLE, Strategy.TP_EVEN}
     measured = profiles.get() if planned or any(c is not None for c in caps) else None
-    build_meta(cfg)  # load what building a model loads, so that it counts as runtime
-    release()
-    runtime = [int(b) for b in ctx.group.gather_object(resident_bytes())]
+    runtime = profiles.process_runtime()
     enforced = list(ctx.group.gather_object(enforced_cap()))
     n = ctx.world_size
     if measured is None:

@@ -279,16 +279,17 @@ def step_phases(
         pipeline: analyse as PP (True), TP (False) or decide by :func:`is_pipeline` (None).
     """
     ordered = _checked(records)
+    laned = is_laned(ordered)
     if pipeline is None:
         pipeline = is_pipeline(ordered)
     if pipeline:
         split = _split(ordered, _pp_keys(ordered), transfer_estimate_s)
     else:
-        keys = lane_keys(ordered) if is_laned(ordered) else _tp_keys(ordered)
+        keys = lane_keys(ordered) if laned else _tp_keys(ordered)
         split = _split(ordered, keys, None)
     phases: dict[int, list[Phase]] = {}
     for rec, parts in zip(ordered, split, strict=True):
-        if is_laned(ordered):
+        if laned:
             phases[rec.rank] = lane_phases(rec, parts)
             continue
         out: list[Phase] = []

@@ -124,11 +124,16 @@ class Profiles:
         caps = self.source.memory_caps
         if not caps or all(c is None for c in caps):
             return measured
+        return within_caps(measured, caps, self.process_runtime())
+
+    def process_runtime(self) -> list[int]:
+        """Per device, the bytes its process holds before any model (measured once, with
+        what building a model loads already loaded; collective on first call)."""
         if self.runtime is None:
-            build_meta(self.shape.cfg)  # what building a model loads counts as runtime
+            build_meta(self.shape.cfg)
             release()
             self.runtime = [int(b) for b in self.ctx.group.gather_object(resident_bytes())]
-        return within_caps(measured, caps, self.runtime)
+        return self.runtime
 
 
 @dataclass

@@ -35,6 +35,10 @@ OVERLAPPED_COMPUTE = "compute.total"
 """Name of the one span that stands for an overlapped step's compute (:func:`compute_gaps`)."""
 
 
+def _overlapped_compute(start: float, total: float) -> Span:
+    return Span(OVERLAPPED_COMPUTE, start, start + total, "compute")
+
+
 def compute_gaps(rec: StepRecord) -> list[Span]:
     """The compute spans of a TP step: from the step's start to the first collective and
     between consecutive collectives, named by the collective that ends them. An overlapped
@@ -43,7 +47,7 @@ def compute_gaps(rec: StepRecord) -> list[Span]:
     if is_laned([rec]):
         parts = [(c, c.start) for c in rec.collectives]  # alone: no rank to wait for
         total = sum(p.end - p.start for p in lane_phases(rec, parts) if p.kind == "compute")
-        return [Span(OVERLAPPED_COMPUTE, rec.start, rec.start + total, "compute")]
+        return [_overlapped_compute(rec.start, total)]
     out, t = [], rec.start
     for i, c in enumerate(rec.collectives):
         out.append(Span(f"{rec.rank}/{i}:{c.name}", t, c.arrive, "compute"))
@@ -138,8 +142,7 @@ class TPSession:
             return []
         gaps = compute_gaps(record)
         if self.group.lanes:  # compared with an overlapped step's compute in all
-            total = sum(g.duration for g in gaps)
-            return [Span(OVERLAPPED_COMPUTE, record.start, record.start + total, "compute")]
+            return [_overlapped_compute(record.start, sum(g.duration for g in gaps))]
         return gaps
 
     def describe(self) -> dict[str, Any]:
