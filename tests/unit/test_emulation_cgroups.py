@@ -30,6 +30,7 @@ from xronos.emulation import (
     Emulator,
     cgroups,
     cleanup_stale,
+    throttle,
 )
 from xronos.emulation.cgroups import CgroupV1, CgroupV2, Limits, quota_and_period
 from xronos.emulation.state import process_start_time
@@ -239,7 +240,11 @@ def test_mechanism_cgroup_without_cgroups_is_a_user_error(tmp_path: Path) -> Non
         emu.start()
 
 
-def test_unwritable_cgroups_fall_back_to_duty_cycle(tmp_path: Path) -> None:
+def test_unwritable_cgroups_fall_back_to_duty_cycle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A host that allows no real-time scheduling either (else the competing load is used).
+    monkeypatch.setattr(throttle, "available", lambda: "no real-time scheduling (denied)")
     missing = tmp_path / "not-mounted"
     hierarchy = CgroupV1({"cpu": missing, "cpuset": missing})
     cluster = ClusterSpec("c", (DeviceSpec("hub", 1, 0.5),))
@@ -249,9 +254,10 @@ def test_unwritable_cgroups_fall_back_to_duty_cycle(tmp_path: Path) -> None:
         assert emu.cpu_mechanism == ["duty-cycle"]
         report = "\n".join(emu.report())
         assert emu.slot(0).cgroup_procs == ()
-    assert "cpu quota: duty-cycle fallback" in report
+    assert "cpu limit: duty-cycle fallback" in report
     assert "cgroups not writable: No such file or directory" in report
     assert "cpu sets: sched_setaffinity" in report
+    assert "competing load not used (no real-time scheduling (denied))" in report
 
 
 # ----------------------------------------------------------------------------- real cgroups
@@ -263,9 +269,9 @@ def test_cgroup_cpu_quota_limits_a_busy_worker(tmp_path: Path) -> None:
     cluster = ClusterSpec("c", (DeviceSpec("fast", 1, 1.0), DeviceSpec("slow", 1, 0.3)))
     run = run_id()
     out = SPAWN.Queue()
-    with Emulator(cluster, run, state_dir=tmp_path, check_speed=False) as emu:
+    with Emulator(cluster, run, mechanism="cgroup", state_dir=tmp_path, check_speed=False) as emu:
         assert emu.cpu_mechanism[0].startswith("cgroup")
-        assert f"cpu quota: cgroup {emu.hierarchy.version}" in "\n".join(emu.report())  # type: ignore[union-attr]
+        assert f"cpu limit: cgroup {emu.hierarchy.version}" in "\n".join(emu.report())  # type: ignore[union-attr]
         procs = [SPAWN.Process(target=busy_child, args=(emu.slot(r), 0.5, out)) for r in (0, 1)]
         for rank, proc in enumerate(procs):
             proc.start()

@@ -55,17 +55,18 @@ def test_duty_cycle_limits_a_busy_workers_cpu_share(tmp_path: Path) -> None:
         proc = SPAWN.Process(target=busy_child, args=(emu.slot(0), 0.6, out))
         proc.start()
         emu.attach(0, proc.pid)  # type: ignore[arg-type]
-        helpers = len(emu._helpers)
+        helpers = len(emu._throttles.helpers)
         cpu, wall = out.get(timeout=60)
         proc.join(timeout=10)
-    assert any(line.startswith("cpu quota: duty-cycle fallback") for line in report)
+    assert any(line.startswith("cpu limit: duty-cycle fallback") for line in report)
     assert any(line.startswith("memory cap: none requested") for line in report)
     # The helper runs the child 3 ms of every 10 ms. Its wake-ups are late by at most a
     # scheduler tick or so (it runs SCHED_FIFO where allowed), so the share may exceed 0.3 by a
     # few hundredths; 0.45 allows that and is still far below the 1.0 of an unthrottled loop.
     assert cpu / wall <= 0.45
     assert proc.exitcode == 0  # throttled, not left stopped: it finished its loop
-    assert helpers == 1 and emu._helpers == {}  # one helper while attached, none after close
+    # one helper while attached, none after close
+    assert helpers == 1 and emu._throttles.helpers == {}
 
 
 def test_helper_always_leaves_its_target_running() -> None:

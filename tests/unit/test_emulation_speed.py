@@ -311,7 +311,7 @@ def test_report_is_built_from_plain_data_and_shows_a_lengthened_period() -> None
         ),
     )  # fmt: skip
     lines = emulator_report(data)
-    assert lines[1] == "cpu quota: cgroup v1, period 10 ms (2.5 ms requested; see speed lines)"
+    assert lines[1] == "cpu limit: cgroup v1, period 10 ms (2.5 ms requested; see speed lines)"
     assert "cpu sets: cgroup v1 cpuset + sched_setaffinity" in lines
     assert lines[-1].startswith("speed: device slow: asked 0.40, got 0.40 (cgroup v1 quota 0.410")
     assert lines[-1].endswith("2 settings tried); period lengthened from 2.5 ms")
@@ -334,7 +334,7 @@ def _cgroups_usable() -> str | None:
 def test_real_speed_check_measures_and_leaves_nothing_behind(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     cluster = ClusterSpec("c", (DeviceSpec("full", 1, 1.0), DeviceSpec("slow", 1, 0.4)))
-    with Emulator(cluster, run_id(), state_dir=tmp_path) as emu:
+    with Emulator(cluster, run_id(), mechanism="cgroup", state_dir=tmp_path) as emu:
         if not emu.cpu_mechanism[1].startswith("cgroup"):
             pytest.skip(f"cgroup cpu quota not in force: {emu.cpu_mechanism}")
         full, slow = emu.effective_speeds()

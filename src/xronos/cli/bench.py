@@ -22,7 +22,7 @@ from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import default_mlp_chunk, default_vocab_chunk
 from xronos.profiler.measure import Shape
 from xronos.profiler.run import load_cached, profile_key, store_cached
-from xronos.run.launch import fastest_device, measurement_context, run_on_cluster
+from xronos.run.launch import CPU_LIMITS, fastest_device, measurement_context, run_on_cluster
 from xronos.run.sessions import ProfileSource, SessionSpec
 from xronos.train.optim import OptimConfig
 from xronos.train.session import Strategy
@@ -32,7 +32,7 @@ ALL = ("auto", "xronos", "tp-even", "pp-gpipe", "pp-1f1b", "single")
 """The default strategies, in the order they take turns and are tabled."""
 CHECKPOINT_LORA_RANK = 8
 """LoRA rank of a ``--model`` checkpoint without ``--lora-rank`` (as ``xronos finetune``)."""
-MECHANISMS = ("cpu quota", "cpu sets", "memory cap", "network")
+MECHANISMS = ("cpu limit", "cpu sets", "memory cap", "network")
 """The report's lines that say which mechanism emulates what (kept in ``bench.json``)."""
 
 
@@ -102,6 +102,14 @@ def register(sub: Any) -> None:
         type=float,
         default=10.0,
         help="CFS period of the emulated CPU quota (default: %(default)s ms)",
+    )
+    p.add_argument(
+        "--cpu-limit",
+        choices=CPU_LIMITS,
+        default="auto",
+        help="how a slow device is made slow: a competing real-time load on its own CPUs "
+        "(load), a CFS quota (quota), SIGSTOP/SIGCONT (duty-cycle); auto: load where "
+        "possible, else quota, else duty-cycle (default: %(default)s)",
     )
     p.set_defaults(run=run)
 
@@ -217,7 +225,10 @@ def bench_once(
         lora=source.lora,
     )
     context = measurement_context(
-        cluster, emulate=not args.no_emulation, cpu_period_us=int(args.cpu_period_ms * 1000)
+        cluster,
+        emulate=not args.no_emulation,
+        cpu_period_us=int(args.cpu_period_ms * 1000),
+        cpu_limit=args.cpu_limit,
     )
     keys = tuple(profile_key(c, shape) for c in context)
     cached = None if args.no_cache else load_cached(list(keys))
@@ -258,6 +269,7 @@ def bench_once(
         network=link.network,
         timeout_s=args.timeout,
         cpu_period_us=int(args.cpu_period_ms * 1000),
+        cpu_limit=args.cpu_limit,
         report=say,
         emulation=emulation,
     )

@@ -10,10 +10,11 @@ Used by the launcher (parent process)::
         print("\\n".join(emu.report()))
         ...                                 # workers call slot.enter() first thing
 
-Mechanisms, best first: cgroup v1/v2 for CPU quota, CPU set and memory cap; else a
-duty-cycle helper process per worker for the CPU quota and ``sched_setaffinity`` for the CPU
-set. A device whose quota covers its whole CPU set gets no quota at all. At start-up the
-speed of every throttled device is measured and its limit calibrated (:mod:`speed`).
+Mechanisms, best first: cgroup v1/v2 for CPU set and memory cap; for a slow device's CPU, a
+competing real-time load on its own CPUs (:mod:`competitor`), else a CFS quota, else a
+duty-cycle helper per worker; ``sched_setaffinity`` where there is no cpuset. A device whose
+quota covers its whole CPU set gets no limit at all. At start-up the speed of every
+throttled device is measured and its limit calibrated (:mod:`speed`).
 ``report()`` says which mechanism is in force and what each device really gets. Teardown
 (on ``__exit__``, at interpreter exit, on SIGTERM; idempotent) kills any worker left inside
 the devices and removes every cgroup, namespace and link; :func:`cleanup_stale` handles runs
@@ -36,17 +37,17 @@ from typing import Any, Literal
 from xronos.emulation import cgroups, netns
 from xronos.emulation.cgroups import Group, Hierarchy, Limits
 from xronos.emulation.cluster import ClusterSpec
-from xronos.emulation.dutycycle import DutyCycle
 from xronos.emulation.network import Links, start_links
 from xronos.emulation.report import ReportInput, emulator_report
 from xronos.emulation.slot import DeviceSlot, assign_cpus
 from xronos.emulation.speed import SpeedCheck, SpeedChecker
 from xronos.emulation.state import PREFIX, RunState, default_state_dir, process_start_time
+from xronos.emulation.throttle import LOAD, Throttles, load_ranks
 from xronos.errors import UserError
 
 log = logging.getLogger(__name__)
 
-Mechanism = Literal["auto", "cgroup", "duty-cycle", "none"]
+Mechanism = Literal["auto", "load", "cgroup", "duty-cycle", "none"]
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _DETECT: Any = object()
 
@@ -66,12 +67,13 @@ class Emulator:
         comm_fallback: instead, emulate rate and latency in the communication layer
             (reported); only for a launcher that hands :meth:`comm_latencies` and
             ``links.comm_bandwidths()`` to its workers.
-        mechanism: ``auto`` (cgroups where writable, else duty-cycle), ``cgroup`` (fail
-            with a UserError if cgroups cannot be used), ``duty-cycle`` (force the fallback)
-            or ``none`` (CPU sets only, no quota).
-        period_us: CPU quota period requested; 10 ms keeps throttling smooth at millisecond
-            op granularity. Where the measured speed misses the spec at this period even
-            after calibration, a longer one is used (reported).
+        mechanism: ``auto`` (competing load where a slow device has its CPUs to itself and
+            real-time scheduling is allowed, else a cgroup quota, else duty-cycle), ``load``
+            (require the competing load), ``cgroup`` (require a cgroup quota),
+            ``duty-cycle`` (force the fallback) or ``none`` (CPU sets only, no limit).
+        period_us: CPU quota period requested (quota and duty-cycle). Where the measured
+            speed misses the spec at this period even after calibration, a longer one is
+            used (reported).
         state_dir: where the run's state file goes (see :mod:`state`).
         hierarchy: the cgroup hierarchy to use; detected from the host by default.
         check_speed: at start-up, measure each throttled device's speed and calibrate its
@@ -98,9 +100,10 @@ class Emulator:
                 f"run id {run_id!r}: not usable in cgroup names; use 1-64 letters, digits, "
                 "'.', '-' or '_'"
             )
-        if mechanism not in ("auto", "cgroup", "duty-cycle", "none"):
+        if mechanism not in ("auto", "load", "cgroup", "duty-cycle", "none"):
             raise UserError(
-                f"emulation mechanism {mechanism!r}: unknown; use auto, cgroup, duty-cycle or none"
+                f"emulation mechanism {mechanism!r}: unknown; use auto, load, cgroup, "
+                "duty-cycle or none"
             )
         self.cluster = cluster
         self.run_id = run_id
@@ -118,7 +121,7 @@ class Emulator:
         )
         self.groups: list[Group | None] = [None] * len(devices)
         self.cpu_mechanism: list[str] = ["none"] * len(devices)
-        """Per rank: ``cgroup v1``, ``cgroup v2``, ``duty-cycle`` or ``none``."""
+        """Per rank: ``competing load``, ``cgroup v1``, ``cgroup v2``, ``duty-cycle``, ``none``."""
         self.links = Links(devices)
         """How the links are emulated, and what the communication layer adds (:mod:`network`)."""
         self.net: netns.NetworkPlan | None = None
@@ -131,8 +134,8 @@ class Emulator:
         self.speeds: list[SpeedCheck] = []
         """Per rank, after start(): asked vs measured speed and the limit in force."""
         self._checker = SpeedChecker()
-        self._duty: dict[int, float] = {}
-        self._helpers: dict[int, DutyCycle] = {}
+        self._throttles = Throttles()
+        self._load: set[int] = set()
         self._attached: dict[int, tuple[int, str | None]] = {}
         self._state_path = Path(state_dir or default_state_dir()) / f"{PREFIX}{run_id}.json"
         self._state: RunState | None = None
@@ -166,6 +169,9 @@ class Emulator:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             self._state = RunState(self.run_id, self._owner, process_start_time(self._owner))
+            asked = [self.asked_speed(r) for r in range(self.cluster.world_size)]
+            self._load, why = load_ranks(self.mechanism, asked, self.cpus)
+            self.notes.update({"load": why} if why else {})
             self._setup_cgroups()
             self._check_speeds()
             if self.network:
@@ -193,7 +199,7 @@ class Emulator:
     def _limits(self, rank: int) -> Limits:
         device = self.cluster.devices[rank]
         asked = self.asked_speed(rank)
-        if asked >= 1.0:  # the quota covers the whole CPU set: no CFS quota at all
+        if asked >= 1.0 or rank in self._load:  # no CFS quota at all
             return Limits(self.cpus[rank], None, self.period_us, device.memory_bytes)
         quota_us, period = cgroups.quota_and_period(asked * len(self.cpus[rank]), self.period_us)
         if period != self.period_us:
@@ -223,7 +229,9 @@ class Emulator:
             return self._cgroups_unavailable(f"cgroups not writable: {e.strerror or e}")
         for rank, group in enumerate(self.groups):
             assert group is not None
-            if "cpu" in group.applied:
+            if rank in self._load:
+                self.cpu_mechanism[rank] = LOAD
+            elif "cpu" in group.applied:
                 self.cpu_mechanism[rank] = f"cgroup {h.version}"
             elif self.mechanism == "cgroup":
                 raise UserError(
@@ -245,26 +253,19 @@ class Emulator:
 
     def _no_cgroups(self) -> None:
         fallback = "none" if self.mechanism == "none" else "duty-cycle"
-        self.cpu_mechanism = [fallback] * self.cluster.world_size
+        self.cpu_mechanism = [
+            LOAD if r in self._load else fallback for r in range(self.cluster.world_size)
+        ]
         self._save_state()
 
     def _check_speeds(self) -> None:
         """Fill :attr:`speeds`; measure and calibrate the throttled devices (see :mod:`speed`)."""
+        asked = [self.asked_speed(r) for r in range(self.cluster.world_size)]
         self.speeds = self._checker.run(
-            self.cluster.devices,
-            [self.asked_speed(r) for r in range(self.cluster.world_size)],
-            self.cpu_mechanism,
-            self.cpus,
-            self.groups,
-            self.hierarchy,
-            self.period_us,
-            measure=self.check_speed,
-        )
-        self._duty = {
-            r: s.fraction
-            for r, s in enumerate(self.speeds)
-            if s.mechanism == "duty-cycle" and s.measured and s.fraction is not None
-        }
+            self.cluster.devices, asked, self.cpu_mechanism, self.cpus, self.groups,
+            self.hierarchy, self.period_us, measure=self.check_speed,
+        )  # fmt: skip
+        self._throttles.start(self.speeds, asked, self.cpus)
 
     def effective_speeds(self) -> list[float | None]:
         """Per rank, the speed each device gets as a fraction of its CPU set: measured for
@@ -322,11 +323,9 @@ class Emulator:
                 self.hierarchy.add_pid(group, pid)
             except ProcessLookupError:
                 return
-        duty = self._duty.get(rank, self.asked_speed(rank))
-        if self.cpu_mechanism[rank] == "duty-cycle" and duty < 1.0:
-            if rank in self._helpers:
-                self._helpers.pop(rank).stop()
-            self._helpers[rank] = DutyCycle(pid, duty, self.period_us / 1e6)
+        self._throttles.attach(
+            rank, pid, self.cpu_mechanism[rank], self.asked_speed(rank), self.period_us / 1e6
+        )
 
     # ------------------------------------------------------------------ teardown
 
@@ -353,9 +352,7 @@ class Emulator:
             return
         self._closed = True
         self._checker.close()
-        for helper in self._helpers.values():
-            helper.stop()
-        self._helpers.clear()
+        self._throttles.stop()
         for pid, born in self._attached.values():
             if born is not None and process_start_time(pid) == born:
                 with contextlib.suppress(ProcessLookupError):

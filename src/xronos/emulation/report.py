@@ -13,6 +13,8 @@ from typing import Any
 
 from xronos.emulation.cgroups import Group
 from xronos.emulation.cluster import ClusterSpec
+from xronos.emulation.competitor import MECHANISM as LOAD
+from xronos.emulation.competitor import PERIOD_S as LOAD_PERIOD_S
 from xronos.emulation.netns import NetworkPlan
 from xronos.emulation.speed import SpeedCheck
 from xronos.emulation.units import format_bandwidth, format_bytes, format_duration
@@ -50,7 +52,11 @@ class ReportInput:
 
 def _periods(emu: ReportInput) -> str:
     """The quota period(s) in force, and the request where it was lengthened."""
-    used = {s.period_us for s in emu.speeds if s.measured and s.period_us is not None}
+    used = {
+        s.period_us
+        for s in emu.speeds
+        if s.measured and s.period_us is not None and s.mechanism != LOAD
+    }
     used = used or {emu.period_us}
     text = " / ".join(f"{p / 1000:g} ms" for p in sorted(used))
     if used != {emu.period_us}:
@@ -71,14 +77,25 @@ def emulator_report(emu: ReportInput) -> list[str]:
     words = {
         "duty-cycle": f"duty-cycle fallback, SIGSTOP/SIGCONT every {emu.period_us / 1000:g} ms",
         "none": "not emulated",
+        LOAD: f"competing load (a real-time process per CPU of each slow device leaves the "
+        f"device its share of every {LOAD_PERIOD_S * 1000:g} ms; no quota)",
     }
-    cpu = ", ".join(words.get(m, f"{m}, period {period}") for m in sorted(set(emu.cpu_mechanism)))
+    slow = {
+        m
+        for m, d, c in zip(emu.cpu_mechanism, emu.cluster.devices, emu.cpus, strict=True)
+        if d.capacity < len(c)
+    }
+    for m in emu.cpu_mechanism:
+        words.setdefault(m, f"{m}, period {period}" if m in slow else f"{m}, no quota needed")
+    cpu = ", ".join(words[m] for m in sorted(set(emu.cpu_mechanism)))
     why = emu.notes.get("cpu") or emu.notes.get("cgroups")
-    if why and any(m != "cgroup v1" and m != "cgroup v2" for m in emu.cpu_mechanism):
+    if why and any(m in ("duty-cycle", "none") for m in emu.cpu_mechanism):
         cpu += f" ({why})"
-    lines.append(f"cpu quota: {cpu}")
+    lines.append(f"cpu limit: {cpu}")
+    if "load" in emu.notes:
+        lines.append(f"cpu limit: competing load not used ({emu.notes['load']})")
     if "period" in emu.notes:
-        lines.append(f"cpu quota: {emu.notes['period']}")
+        lines.append(f"cpu limit: {emu.notes['period']}")
     version = emu.hierarchy_version
     cpuset_ok = version is not None and all(g is not None and "cpuset" in g.applied for g in groups)
     cpuset = f"cgroup {version} cpuset + " if cpuset_ok else ""

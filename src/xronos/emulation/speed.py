@@ -23,6 +23,9 @@ from typing import Any, Protocol
 
 from xronos.emulation.cgroups import Group, Hierarchy, quota_and_period
 from xronos.emulation.cluster import DeviceSpec
+from xronos.emulation.competitor import MECHANISM as LOAD
+from xronos.emulation.competitor import PERIOD_S as LOAD_PERIOD_S
+from xronos.emulation.competitor import Competitor
 from xronos.emulation.dutycycle import DutyCycle
 from xronos.emulation.probe import REPS, Probe, ProbeError
 
@@ -88,6 +91,8 @@ class SpeedCheck:
         limit = f"quota {self.fraction:.3f} of a {self.period_us / 1000:g} ms period"
         if self.mechanism == "duty-cycle":
             limit = f"duty {self.fraction:.3f} of a {self.period_us / 1000:g} ms cycle"
+        elif self.mechanism == LOAD:
+            limit = f"leaves {self.fraction:.3f} of every {self.period_us / 1000:g} ms"
         text = f"{head}, got {self.got:.2f} ({self.mechanism} {limit}; rounds {spread}"
         text += f"; {len(self.tried)} setting{'s' if len(self.tried) != 1 else ''} tried)"
         err = self.error or 0.0
@@ -161,6 +166,29 @@ class DutyLimiter:
 
     def settle(self, fraction: float, period_us: int) -> None:
         """The worker's own helper starts when it is attached; nothing stays on the probe."""
+        self.off()
+
+
+class LoadLimiter:
+    """A :class:`Competitor` on the probe's CPUs while the limited kernel runs."""
+
+    def __init__(self, cpus: Sequence[int]) -> None:
+        self.cpus = tuple(cpus)
+        self.load: Competitor | None = None
+
+    def on(self, fraction: float, period_us: int) -> int:
+        self.off()
+        if fraction < 1.0:
+            self.load = Competitor(self.cpus, fraction, period_us / 1e6)
+        return period_us
+
+    def off(self) -> None:
+        if self.load is not None:
+            self.load.stop()
+            self.load = None
+
+    def settle(self, fraction: float, period_us: int) -> None:
+        """The emulator starts the lasting load after the check; nothing stays on."""
         self.off()
 
 
@@ -242,7 +270,10 @@ def calibrate(
 
 
 def periods_to_try(requested_us: int, mechanism: str) -> list[int]:
-    """The requested period, then (for CFS quotas) the longer fallback periods."""
+    """The requested period, then (for CFS quotas) the longer fallback periods; the
+    competing load's own period."""
+    if mechanism == LOAD:
+        return [round(LOAD_PERIOD_S * 1e6)]
     if mechanism == "duty-cycle":
         return [requested_us]
     return [requested_us] + [p for p in FALLBACK_PERIODS_US if p > requested_us]
@@ -332,7 +363,11 @@ class SpeedChecker:
             for rank in todo:
                 limiter: Limiter = DutyLimiter(probe.pid)
                 group = groups[rank]
-                if mechanisms[rank].startswith("cgroup") and group and hierarchy is not None:
+                if mechanisms[rank] == LOAD:
+                    if group is not None:
+                        probe.join(group.procs_files)
+                    limiter = LoadLimiter(cpus[rank])
+                elif mechanisms[rank].startswith("cgroup") and group and hierarchy is not None:
                     probe.join(hierarchy.cpu_procs_files(group))
                     limiter = CgroupLimiter(hierarchy, group, len(cpus[rank]), period_us)
                 checks[rank] = check_device(

@@ -9,15 +9,18 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from xronos.comm.launch import WorkerFn, launch
 from xronos.emulation import ClusterSpec, Emulator
+from xronos.emulation.limits import Mechanism
 from xronos.emulation.slot import assign_cpus
 from xronos.errors import UserError
 from xronos.utils import atomic_write_text
 
 DEFAULT_CPU_PERIOD_US = 10_000
+CPU_LIMITS = ("auto", "load", "quota", "duty-cycle")
+"""``--cpu-limit`` choices; ``quota`` is the emulator's ``cgroup`` mechanism."""
 """CFS period of an emulated device's CPU quota (see the emulation docs for why 10 ms)."""
 
 
@@ -39,11 +42,11 @@ def _cpu_model() -> str:
 
 
 def measurement_context(
-    cluster: ClusterSpec, *, emulate: bool, cpu_period_us: int
+    cluster: ClusterSpec, *, emulate: bool, cpu_period_us: int, cpu_limit: str = "auto"
 ) -> list[dict[str, Any]]:
     """Per device, everything besides the workload that changes what profiling measures:
     its spec (cores, quota, memory, link), the Xronos version, whether and how it is
-    emulated (CPU period), the host's CPU model and which other devices share its CPUs.
+    emulated (CPU limit and period), the host's CPU model and which other devices share its CPUs.
     A profile is only reused under the same context (it goes into the cache key)."""
     from xronos import __version__
 
@@ -63,6 +66,7 @@ def measurement_context(
                 "xronos": __version__,
                 "emulated": emulate,
                 "cpu_period_us": cpu_period_us if emulate else None,
+                "cpu_limit": cpu_limit if emulate else None,
                 "cpu_model": _cpu_model(),
                 "shares_cpus_with": sorted(sharing) if emulate else [],
             }
@@ -83,6 +87,7 @@ def run_on_cluster(
     network: bool | None = None,
     timeout_s: float = 300.0,
     cpu_period_us: int = DEFAULT_CPU_PERIOD_US,
+    cpu_limit: str = "auto",
     on_event: Callable[[int, dict[str, Any]], None] | None = None,
     stop_signal: int | None = None,
     report: Callable[[str], None] | None = None,
@@ -132,6 +137,7 @@ def run_on_cluster(
         require_network=bool(network),
         comm_fallback=True,
         period_us=cpu_period_us,
+        mechanism="cgroup" if cpu_limit == "quota" else cast(Mechanism, cpu_limit),
     ) as emu:
         for line in emu.report():
             say(line)
