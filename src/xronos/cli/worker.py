@@ -6,16 +6,20 @@ Every machine runs the same command with the same options and data files::
         --rdzv-backend c10d --rdzv-endpoint HUB_ADDRESS:29500 \\
         -m xronos worker --model ./Qwen2.5-0.5B --data ./home.jsonl --out runs/home
 
-``torchrun`` provides RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; Xronos joins a gloo
-group through them (``env://``), profiles each machine, plans, and trains exactly as
-``xronos finetune`` does on emulated devices. Rank 0 prints the progress and writes the
-run directory; name a machine with ``XRONOS_DEVICE`` (default: host name + local rank).
+``torchrun`` provides RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Before the gloo group
+forms, every machine proves through torchrun's store that it holds the job's token
+(``XRONOS_TOKEN`` or ``--token-file``; the token itself never crosses the network) and runs
+the coordinator's Xronos and torch versions; a machine that does not is refused, and the
+others stop after ``--join-timeout`` unless a machine with the token takes its place. Then
+Xronos profiles each machine, plans, and trains exactly as ``xronos finetune`` does on
+emulated devices. Rank 0 (the coordinator) prints the progress and writes the run
+directory; name a machine with ``XRONOS_DEVICE`` (default: host name + local rank).
+See docs/deploy.md for what the token does and does not protect.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import re
 import socket
@@ -25,6 +29,8 @@ from typing import Any
 import torch.distributed as dist
 
 from xronos.cli.finetune import add_config_flags
+from xronos.comm.auth import join_torchrun_group
+from xronos.comm.job_token import TOKEN_ENV, load_token
 from xronos.errors import UserError
 from xronos.runconfig import build_config, config_fields, load_toml
 
@@ -37,7 +43,20 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="TOML file with the finetune options ([finetune] table)")
-    add_config_flags(p, skip=("cluster", "emulate", "resume", "network", "bandwidth", "latency"))
+    skip = ("cluster", "emulate", "resume", "network", "bandwidth", "latency", "elastic")
+    add_config_flags(p, skip=skip)
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help=f"file whose first line is the job's token (default: ${TOKEN_ENV}); only "
+        "devices that prove they hold it join; the file must not be readable by every user",
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long every device waits for all devices to prove the token (default: --timeout)",
+    )
     p.set_defaults(run=run)
 
 
@@ -90,13 +109,14 @@ def run(args: argparse.Namespace) -> int:
     flags = {f.name: getattr(args, f.name, None) for f in config_fields()}
     cfg = build_config(load_toml(args.config) if args.config else {}, flags)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = datetime.timedelta(seconds=cfg.timeout)
-    dist.init_process_group(
-        "gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout
-    )
+    explicit = os.environ.get("XRONOS_DEVICE")
+    mine = explicit or f"{socket.gethostname()}-{os.environ.get('LOCAL_RANK', '0')}"
+    secret = load_token(args.token_file)
+    join_timeout = args.join_timeout if args.join_timeout is not None else cfg.timeout
+    if join_timeout <= 0:
+        raise UserError(f"--join-timeout must be positive (got {join_timeout:g})")
+    join_torchrun_group(rank, world, mine, secret, cfg.timeout, join_timeout)
     try:
-        explicit = os.environ.get("XRONOS_DEVICE")
-        mine = explicit or f"{socket.gethostname()}-{os.environ.get('LOCAL_RANK', '0')}"
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, (mine, explicit is not None))
         names = device_names(gathered)
