@@ -22,6 +22,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 STRATEGIES = ("auto", "xronos", "tp-even", "single", "pp-gpipe", "pp-1f1b")
+#: --lr-schedule choices (what follows the warm-up).
+LR_SCHEDULES = ("linear", "cosine", "constant")
 #: --base-dtype -> torch dtype name.
 BASE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 #: Environment variable naming the model of a run without --model (instead of SmolLM2).
@@ -113,6 +115,9 @@ class RunConfig:
     """Peak learning rate (AdamW)."""
     warmup_steps: int = 20
     """Linear learning-rate warm-up."""
+    lr_schedule: str = "linear"
+    """After the warm-up: linear (decay to 0 at the last step, as Hugging Face's Trainer),
+    cosine, or constant."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     max_grad_norm: float = 1.0
@@ -147,6 +152,11 @@ class RunConfig:
         for name in ("steps", "epochs", "eval_every", "save_every", "eval_size", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{_flag(name)} must be ≥ 0, got {getattr(self, name)}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise UserError(
+                f"--lr-schedule {self.lr_schedule!r}: unknown; use one of "
+                + ", ".join(LR_SCHEDULES)
+            )
         if not self.lr > 0:
             raise UserError(f"--lr must be positive, got {self.lr}")
         if self.strategy not in STRATEGIES:

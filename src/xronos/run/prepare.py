@@ -160,6 +160,7 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
     cached = load_cached(list(keys))
     eos = tuple(i for i in (tok.eos_id,) if i is not None)
     batches = len(train) // cfg.batch_size
+    steps = _steps(cfg, batches)
     run_dir = Path(cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     job = FinetuneJob(
         session=SessionSpec(
@@ -170,6 +171,8 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
                 weight_decay=cfg.weight_decay,
                 max_grad_norm=cfg.max_grad_norm,
                 warmup_steps=cfg.warmup_steps,
+                schedule=cfg.lr_schedule,
+                total_steps=steps,
                 bf16=cfg.bf16,
             ),
             shape=shape,
@@ -181,7 +184,7 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
         data=DatasetBatches(
             train, cfg.batch_size, seed=cfg.seed, pad_id=tok.pad_id, grad_accum=cfg.grad_accum
         ),
-        steps=_steps(cfg, batches),
+        steps=steps,
         profiles=ProfileSource(
             memory_caps=tuple(d.memory_bytes for d in cluster.devices),
             keys=keys,

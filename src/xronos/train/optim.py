@@ -3,6 +3,7 @@ shared by every strategy's step."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +23,12 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     warmup_steps: int = 0
-    """Linear warm-up steps, then constant."""
+    """Linear warm-up steps."""
+    schedule: str = "constant"
+    """After the warm-up: ``constant``, ``linear`` (to 0 after ``total_steps``, as Hugging
+    Face's default schedule) or ``cosine`` (half a cosine to 0)."""
+    total_steps: int = 0
+    """Optimizer steps of the whole run (the decay's length; 0: constant)."""
     bf16: bool = False
     """Run forward/backward under bf16 autocast (weights and LoRA stay fp32)."""
 
@@ -35,9 +41,19 @@ def adamw(params: Sequence[torch.Tensor], opt: OptimConfig) -> torch.optim.AdamW
 
 
 def lr_factor(opt: OptimConfig, steps_done: int) -> float:
-    """Linear warm-up over ``opt.warmup_steps`` optimizer steps, then 1."""
+    """Linear warm-up over ``opt.warmup_steps`` optimizer steps, then ``opt.schedule``:
+    1, or a decay from 1 that would reach 0 at step ``opt.total_steps`` (the run's last
+    step still trains, at ``1/(total − warmup)`` of the peak for ``linear``)."""
     w = opt.warmup_steps
-    return min(1.0, (steps_done + 1) / w) if w > 0 else 1.0
+    if w > 0 and steps_done < w:
+        return (steps_done + 1) / w
+    span = opt.total_steps - w
+    if opt.schedule == "constant" or span <= 0:
+        return 1.0
+    left = max(0.0, (opt.total_steps - steps_done) / span)
+    if opt.schedule == "linear":
+        return left
+    return 0.5 * (1.0 + math.cos(math.pi * (1.0 - left)))
 
 
 def clip_to(params: Sequence[torch.Tensor], norm: float, max_norm: float) -> None:
