@@ -15,3 +15,12 @@ class WorkerError(RuntimeError):
     def __init__(self, message: str, details: str = "") -> None:
         super().__init__(message)
         self.details = details
+
+
+class DeviceLost(WorkerError):
+    """A device's worker died (killed by a signal) or stopped answering: its collectives
+    did not complete within the timeout. The survivors may carry on without it."""
+
+    def __init__(self, device: str, rank: int, reason: str, details: str = "") -> None:
+        super().__init__(f"device {device!r} (rank {rank}) {reason}", details)
+        self.device, self.rank, self.reason = device, rank, reason

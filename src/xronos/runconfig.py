@@ -131,8 +131,10 @@ class RunConfig:
     """Seed for preset weights, LoRA init, data order."""
     eval_every: int = 0
     """Evaluate every N steps (0 = only before and after)."""
-    save_every: int = 0
-    """Checkpoint every N steps (0 = only at the end)."""
+    save_every: int | None = None
+    """Checkpoint every N steps (0 = only at the end; default: spaced so that a lost device
+    costs at most about a minute of training, from the step time measured in the first
+    steps; only the newest two of these checkpoints are kept)."""
     max_new_tokens: int = 32
     """Generation budget per eval prompt."""
     out: str = ""
@@ -140,7 +142,11 @@ class RunConfig:
     resume: str | None = None
     """Continue a run directory from its latest complete checkpoint."""
     timeout: float = 300.0
-    """Seconds any collective may wait before the run is stopped."""
+    """Seconds any collective may wait; a device that does not answer within it is lost
+    (see --elastic)."""
+    elastic: bool = True
+    """When a device dies or stops answering, carry on with the others: a new plan over
+    them, state from the newest checkpoint (--no-elastic: stop with an error instead)."""
     tensorboard: bool = False
     """Also write TensorBoard event files (needs the tensorboard package)."""
 
@@ -150,7 +156,7 @@ class RunConfig:
             if getattr(self, name) <= 0:
                 raise UserError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
         for name in ("steps", "epochs", "eval_every", "save_every", "eval_size", "warmup_steps"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise UserError(f"--{_flag(name)} must be ≥ 0, got {getattr(self, name)}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise UserError(

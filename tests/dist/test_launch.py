@@ -1,9 +1,11 @@
 """The launcher: collectives are exact conjugate pairs; a failing, dying or hanging worker
-stops the others within a bounded time, and the error names its device."""
+stops the others within a bounded time, and the error names its device; a worker killed by
+a signal or silent while the others' collectives fail is a lost device."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 from tests.dist.world import WorkerContext, run_world
 from xronos.comm.launch import launch
 from xronos.comm.mappings import copy_to_tp, reduce_from_tp
-from xronos.errors import UserError, WorkerError
+from xronos.errors import DeviceLost, UserError, WorkerError
 from xronos.parallel.vocab import vocab_parallel_cross_entropy
 
 
@@ -81,6 +83,8 @@ def _misbehave(ctx: WorkerContext, how: str) -> None:
             raise UserError("--data x.jsonl: no such file")
         if how == "exit":
             os._exit(3)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         if how == "hang":
             time.sleep(600)
     torch.distributed.barrier()  # the others wait in a collective for rank 1
@@ -92,7 +96,8 @@ def _misbehave(ctx: WorkerContext, how: str) -> None:
         ("raise", WorkerError, "device 'hub' (rank 1) failed: RuntimeError: sensor bus fault"),
         ("user", UserError, "--data x.jsonl: no such file"),
         ("exit", WorkerError, "device 'hub' (rank 1) died: exit code 3"),
-        ("hang", WorkerError, "device"),
+        ("kill", DeviceLost, "device 'hub' (rank 1) died: killed by SIGKILL"),
+        ("hang", DeviceLost, "device 'hub' (rank 1) stopped answering"),
     ],
 )
 def test_a_failing_worker_stops_everyone(how: str, kind: type, needle: str) -> None:
@@ -100,5 +105,8 @@ def test_a_failing_worker_stops_everyone(how: str, kind: type, needle: str) -> N
     with pytest.raises(kind) as err:
         launch(_misbehave, [how] * 3, ["gateway", "hub", "car"], timeout_s=5.0)
     assert needle in str(err.value)
+    assert type(err.value) is kind  # an error of the worker's own is not a lost device
+    if kind is DeviceLost:
+        assert (err.value.device, err.value.rank) == ("hub", 1)
     # bounded: the collective timeout (5 s) plus process start-up, never the 600 s sleep
     assert time.monotonic() - t0 < 90

@@ -36,8 +36,10 @@ the checkpoint itself.
 from xronos.checkpoint.load import (
     Loaded,
     checkpoint_path,
+    complete_checkpoints,
     latest_checkpoint,
     load_checkpoint,
+    prune_checkpoints,
     read_checkpoint_meta,
 )
 from xronos.checkpoint.save import save_checkpoint
@@ -45,8 +47,10 @@ from xronos.checkpoint.save import save_checkpoint
 __all__ = [
     "Loaded",
     "checkpoint_path",
+    "complete_checkpoints",
     "latest_checkpoint",
     "load_checkpoint",
+    "prune_checkpoints",
     "read_checkpoint_meta",
     "save_checkpoint",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,19 +65,36 @@ def checkpoint_path(run_dir: str | os.PathLike[str], step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS / f"step-{step:08d}"
 
 
-def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint of ``run_dir`` with the highest step, or None. Directories
-    without a ``COMPLETE`` marker (a save that did not finish) and staging directories
-    are ignored."""
+def complete_checkpoints(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Every complete checkpoint of ``run_dir`` as (step, directory), oldest first.
+    Directories without a ``COMPLETE`` marker (a save that did not finish) and staging
+    directories are left out."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
-        return None
-    found = [
+        return []
+    return sorted(
         (int(m[1]), d)
         for d in root.iterdir()
         if (m := _STEP_DIR.match(d.name)) and d.is_dir() and (d / COMPLETE).is_file()
-    ]
-    return max(found)[1] if found else None
+    )
+
+
+def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint of ``run_dir`` with the highest step, or None."""
+    found = complete_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints of ``run_dir`` (each loses
+    its ``COMPLETE`` marker first, so a deletion cut short never looks complete); returns
+    the deleted directories."""
+    found = complete_checkpoints(run_dir)
+    old = [d for _, d in found[: max(0, len(found) - keep)]]
+    for d in old:
+        (d / COMPLETE).unlink(missing_ok=True)
+        shutil.rmtree(d, ignore_errors=True)
+    return old
 
 
 def read_checkpoint_meta(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:

@@ -51,15 +51,9 @@ def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field[Any], hint: Any, 
 
 
 def run(args: argparse.Namespace) -> int:
+    from xronos.run.elastic import launch_elastic
     from xronos.run.monitor import RunMonitor
-    from xronos.run.prepare import (
-        accuracy,
-        launch_job,
-        prepare,
-        resume_job,
-        saved_config,
-        write_config,
-    )
+    from xronos.run.prepare import accuracy, prepare, resume_job, saved_config, write_config
 
     flags = {f.name: getattr(args, f.name) for f in config_fields()}
     base = load_toml(args.config) if args.config else {}
@@ -83,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         tensorboard=cfg.tensorboard,
     )
     try:
-        results = launch_job(prep, monitor.on_event)
+        results, prep = launch_elastic(prep, monitor)
     except KeyboardInterrupt:
         monitor.finish(monitor.losses[-1][0] if monitor.losses else 0)
         raise

@@ -11,6 +11,9 @@ its group (``TPGroup.links``, :mod:`xronos.comm.links`).
 The parent watches the workers: the first one to fail -- an exception, a non-zero exit,
 a signal -- stops all the others, and the error names that device and the cause. A
 hung collective ends by the gloo timeout inside the worker, which is then such a failure.
+A device *lost* -- its worker killed by a signal, or silent while the others' collectives
+fail (it stopped answering) -- raises :class:`~xronos.errors.DeviceLost`, after which the
+caller may carry on with the others.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch.distributed as dist
 
 from xronos.comm.links import LinkDelays
 from xronos.comm.mappings import TPGroup
-from xronos.errors import UserError, WorkerError
+from xronos.errors import DeviceLost, UserError, WorkerError
 
 
 class Slot(Protocol):
@@ -124,7 +127,8 @@ def _worker_main(
         raise SystemExit(2) from None
     except BaseException as e:
         tb = traceback.format_exc(limit=-6)
-        results.put(("error", rank, f"{type(e).__name__}: {_first_line(e)}\n{tb}"))
+        kind = "comm" if _collective_failed(e) else "error"
+        results.put((kind, rank, f"{type(e).__name__}: {_first_line(e)}\n{tb}"))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
@@ -139,6 +143,19 @@ def _warm_imports() -> None:
     import torch._refs
 
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+
+
+def _collective_failed(e: BaseException) -> bool:
+    """Whether ``e`` is a failed collective (a timeout, a closed connection): a
+    ``DistError``, or an error raised inside ``torch.distributed`` (where checks such as
+    the monitored barrier of ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` raise ``RuntimeError``)."""
+    if isinstance(e, dist.DistError):
+        return True
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    return isinstance(e, RuntimeError) and f"torch{os.sep}distributed{os.sep}" in where
 
 
 def _first_line(e: BaseException) -> str:
@@ -230,7 +247,7 @@ def launch(
             procs.append(p)
             if on_start is not None and p.pid is not None:
                 on_start(rank, p.pid)
-        return _collect(procs, results, devices, on_event, stop_signal)
+        return _collect(procs, results, devices, on_event, stop_signal, timeout_s)
     finally:
         _stop_all(procs)
         results.close()
@@ -243,6 +260,7 @@ def _collect(
     devices: tuple[str, ...],
     on_event: Callable[[int, dict[str, Any]], None] | None,
     stop_signal: int | None = None,
+    timeout_s: float = 120.0,
 ) -> list[Any]:
     out: dict[int, Any] = {}
     while len(out) < len(procs):
@@ -265,9 +283,7 @@ def _collect(
                     # give a message that was sent just before exiting a moment to arrive
                     time.sleep(0.5)
                     if results.empty():
-                        reason = _exit_reason(p.exitcode)
-                        msg = f"device {devices[rank]!r} (rank {rank}) died: {reason}"
-                        raise WorkerError(msg) from None
+                        _raise_died(devices, rank, p.exitcode)
             continue
         if kind == "event":
             if on_event is not None:
@@ -277,20 +293,69 @@ def _collect(
         elif kind == "user":
             raise UserError(payload)
         else:
-            _raise_root_cause(procs, devices, rank)
+            _raise_root_cause(procs, devices, {rank})
             first, _, tb = payload.partition("\n")
+            if kind == "comm":
+                grace = min(timeout_s / 2, SILENCE_GRACE_S)
+                silent, heard = _silent_peer(procs, results, rank, grace, on_event)
+                _raise_root_cause(procs, devices, heard)
+                if silent is not None:
+                    why = f"stopped answering (no reply within the {timeout_s:g} s timeout)"
+                    seen = f"device {devices[rank]!r} (rank {rank}): {first}\n{tb}"
+                    raise DeviceLost(devices[silent], silent, why, seen)
             raise WorkerError(f"device {devices[rank]!r} (rank {rank}) failed: {first}", tb)
     return [out[r] for r in range(len(procs))]
 
 
-def _raise_root_cause(procs: list[Any], devices: tuple[str, ...], reporter: int) -> None:
+SILENCE_GRACE_S = 30.0
+"""Longest wait, once a worker's collective has failed with no peer dead, for the others to
+report the same failure: one that neither reports nor exits in that time (at most half the
+collective timeout) stopped answering. The others' collectives began within about a step of
+the reporter's, so each times out within about a step of it."""
+
+
+def _silent_peer(
+    procs: list[Any],
+    results: Any,
+    reporter: int,
+    grace_s: float,
+    on_event: Callable[[int, dict[str, Any]], None] | None,
+) -> tuple[int | None, set[int]]:
+    """The first live worker that stays silent for ``grace_s`` after ``reporter``'s
+    collective failed (None when every other worker reported or exited), and the workers
+    that reported a failure."""
+    heard = {reporter}
+    deadline = time.monotonic() + grace_s
+    while True:
+        pending = [r for r, p in enumerate(procs) if r not in heard and p.exitcode is None]
+        if not pending or time.monotonic() >= deadline:
+            return (pending[0] if pending else None), heard
+        try:
+            kind, rank, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if kind == "event":
+            if on_event is not None:
+                on_event(rank, payload)
+        else:
+            heard.add(rank)
+
+
+def _raise_died(devices: tuple[str, ...], rank: int, code: int) -> None:
+    """A worker that exited without a word: killed by a signal, it is a lost device."""
+    reason = f"died: {_exit_reason(code)}"
+    if code < 0:
+        raise DeviceLost(devices[rank], rank, reason)
+    raise WorkerError(f"device {devices[rank]!r} (rank {rank}) {reason}")
+
+
+def _raise_root_cause(procs: list[Any], devices: tuple[str, ...], reporters: set[int]) -> None:
     """A worker whose collective failed is often the victim of another that died: name
-    the dead one, which is the cause, if there is one."""
+    the dead one (not one of the ``reporters`` of a failure), which is the cause, if any."""
     time.sleep(0.3)
     for rank, p in enumerate(procs):
-        if rank != reporter and p.exitcode not in (None, 0):
-            reason = _exit_reason(p.exitcode)
-            raise WorkerError(f"device {devices[rank]!r} (rank {rank}) died: {reason}")
+        if rank not in reporters and p.exitcode not in (None, 0):
+            _raise_died(devices, rank, p.exitcode)
 
 
 def _exit_reason(code: int) -> str:

@@ -1,7 +1,9 @@
 """What a fine-tuning run shows and leaves behind: progress, metrics.jsonl, the summary.
 
-``RunMonitor.on_event`` receives rank 0's events (plan, step, eval, checkpoint); at the
-end ``finish`` writes ``summary.md``, ``loss.png``, ``timeline.png`` and ``trace.json``.
+``RunMonitor.on_event`` receives rank 0's events (plan, step, eval, checkpoint); the
+launcher reports a lost device and the resumption (:meth:`RunMonitor.lost`,
+:meth:`RunMonitor.resuming`: ``{"event": ...}`` lines in ``metrics.jsonl``); at the end
+``finish`` writes ``summary.md``, ``loss.png``, ``timeline.png`` and ``trace.json``.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ class RunMonitor:
         self.devices: list[str] = []
         self.checkpoint: str | None = None
         self.every = max(1, total_steps // 20)
+        self.last_step = 0
+        """The last step reported done."""
+        self.events: list[dict[str, Any]] = []
+        """``device_lost`` and ``resumed`` events, as written to ``metrics.jsonl``."""
+        self._resume: dict[str, int] | None = None
         self.tb = _tensorboard(run_dir) if tensorboard else None
         self.started = time.perf_counter()
         self.bar: Any = None
@@ -76,6 +83,38 @@ class RunMonitor:
         else:
             print(line, file=self.out, flush=True)
 
+    def event(self, name: str, step: int, **fields: Any) -> None:
+        """One ``{"event": name, "step": step, ...}`` line in ``metrics.jsonl``."""
+        row = {"event": name, "step": step, **fields}
+        self.events.append(row)
+        self.metrics.write(row)
+
+    def lost(self, device: str, rank: int, reason: str) -> int:
+        """A device was lost after :attr:`last_step`: log it; returns that step."""
+        step = self.last_step
+        self.event("device_lost", step, device=device, rank=rank, reason=reason)
+        self.say(f"device lost after step {step}: {device!r} (rank {rank}) {reason}")
+        return step
+
+    def resuming(self, step: int, lost_step: int) -> None:
+        """The survivors start again from ``step`` (a checkpoint's, or 0): the next plan is
+        logged as ``resumed``, and the progress and summary continue from ``step``."""
+        self._resume = {"step": step, "recomputed_steps": max(0, lost_step - step)}
+        self.losses = [(k, x) for k, x in self.losses if k <= step]
+        self.last_step, self.last_t = step, None  # the restart is not a step's time
+        self.idle, self.records, self.devices = [], [], []  # per device of the new plan
+
+    def _resumed(self, strategy: str, devices: list[str]) -> None:
+        if self._resume is None:
+            return
+        step, redo = self._resume["step"], self._resume["recomputed_steps"]
+        self._resume = None
+        self.event("resumed", step, devices=devices, strategy=strategy, recomputed_steps=redo)
+        self.say(
+            f"resumed from step {step} on {', '.join(devices)} ({strategy}); "
+            f"{redo} step{'s' if redo != 1 else ''} to do again"
+        )
+
     def on_event(self, rank: int, ev: dict[str, Any]) -> None:
         kind = ev.get("kind")
         if kind == "plan":
@@ -89,6 +128,7 @@ class RunMonitor:
                 how = f"{src} + calibrated in {ev['seconds']:.1f} s"
             self.say(f"plan ({how}):\n{self.plan.table()}")
             atomic_write_text(self.run_dir / "plan.json", self.plan.to_json())
+            self._resumed(self.plan.strategy, list(self.plan.devices))
         elif kind == "pipeline":
             from xronos.planner import PipelinePlan
 
@@ -96,6 +136,7 @@ class RunMonitor:
             self.measured = ev.get("measured", [])
             self.say(f"pipeline stages:\n{pplan.table()}")
             atomic_write_text(self.run_dir / "plan.json", pplan.to_json())
+            self._resumed(ev["strategy"], list(pplan.devices))
         elif kind == "auto":
             self.say(auto_table(ev["choice"], ev["ran"], ev.get("trials", {})))
             atomic_write_text(self.run_dir / "auto.json", json.dumps(ev, indent=2))
@@ -105,6 +146,11 @@ class RunMonitor:
             self._eval(ev)
         elif kind == "checkpoint":
             self.checkpoint = ev["path"]
+        elif kind == "spacing":
+            self.say(
+                f"checkpoint every {ev['every']} steps ({ev['step_s']:.2f} s each): a lost "
+                "device costs at most about a minute of training"
+            )
 
     def _step(self, ev: dict[str, Any]) -> None:
         now = time.perf_counter()
@@ -124,6 +170,7 @@ class RunMonitor:
         tps = self.tokens / self.train_s if self.train_s > 0 else float("nan")
         step, loss = ev["step"], ev["loss"]
         self.losses.append((step, loss))
+        self.last_step = step
         row = {
             "step": step,
             "loss": loss,
@@ -213,6 +260,10 @@ class RunMonitor:
             lines.append(f"| idle ratio per device | {per} |")
         if self.checkpoint:
             lines.append(f"| last checkpoint | `{self.checkpoint}` |")
+        for e in self.events:
+            lines.append(
+                f"| {e['event'].replace('_', ' ')} at step {e['step']} | {_event_text(e)} |"
+            )
         if self.plan is not None:
             lines += ["", "## Plan", "", "```", self.plan.table(), "```"]
         lines += [
@@ -221,6 +272,14 @@ class RunMonitor:
             "`plan.json`, `config.json`, `checkpoints/`.",
         ]
         return "\n".join(lines) + "\n"
+
+
+def _event_text(e: dict[str, Any]) -> str:
+    if e["event"] == "device_lost":
+        return f"{e['device']} (rank {e['rank']}): {e['reason']}"
+    return (
+        f"on {', '.join(e['devices'])} ({e['strategy']}), {e['recomputed_steps']} steps done again"
+    )
 
 
 def auto_table(

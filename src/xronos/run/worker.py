@@ -10,18 +10,20 @@ directory's logs and the evaluation metric (it holds the tokenizer).
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from xronos.checkpoint import checkpoint_path
+from xronos.checkpoint import checkpoint_path, prune_checkpoints
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
 from xronos.metrics.recorder import SpanRecorder
 from xronos.metrics.records import StepRecord
 from xronos.run.sessions import Opened, Profiles, ProfileSource, SessionSpec, open_session
+from xronos.run.spacing import KEEP, CheckpointSpacing
 from xronos.train.batches import StepSource
 from xronos.train.loop import LossNotFinite, StepOutcome, train_loop
 from xronos.train.session import EvalSpec, Session
@@ -40,7 +42,9 @@ class FinetuneJob:
     eval: EvalSpec = field(default_factory=EvalSpec)
     seed: int = 0
     eval_every: int = 0
-    save_every: int = 0
+    save_every: int | None = 0
+    """Checkpoint every N steps (0: only at the end; None: spaced by
+    :class:`~xronos.run.spacing.CheckpointSpacing`)."""
     run_dir: str | None = None
     """Where checkpoints go; None: no checkpoints (tests)."""
     resume: str | None = None
@@ -137,13 +141,21 @@ def _evaluate(ctx: WorkerContext, session: Session, spec: EvalSpec, when: str) -
         )
 
 
-def _save(ctx: WorkerContext, session: Session, job: FinetuneJob) -> str:
+def _save(ctx: WorkerContext, session: Session, job: FinetuneJob, prune: bool = False) -> str:
+    """Checkpoint ``session``; ``prune``: then keep only the newest :data:`KEEP`."""
     assert job.run_dir is not None
     path = checkpoint_path(job.run_dir, session.steps_done)
     session.save(path, checkpoint_extra(job, session))
     if _lead(session):
+        if prune:
+            prune_checkpoints(job.run_dir, KEEP)
         ctx.emit({"kind": "checkpoint", "step": session.steps_done, "path": str(path)})
     return str(path)
+
+
+def _agree_max(group: TPGroup) -> Callable[[float], float]:
+    """The largest of every rank's value, on every rank of ``group``."""
+    return lambda mine: float(max(group.gather_object(mine)))
 
 
 def checkpoint_extra(job: FinetuneJob, session: Session) -> dict[str, Any]:
@@ -180,6 +192,7 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
         _evaluate(ctx, session, job.eval, "before")
     last: list[str | None] = [None]
     kept: list[list[StepRecord]] = []
+    spacing = CheckpointSpacing(job.save_every if job.run_dir else 0)
 
     def after_step(o: StepOutcome) -> bool:
         if job.keep_records and o.records:
@@ -198,8 +211,12 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
             )
         stop = _agree_stop(session.group)
         more = o.step < job.steps
-        if job.run_dir and job.save_every and o.step % job.save_every == 0 and more:
-            last[0] = _save(ctx, session, job)
+        known = spacing.interval is not None
+        due = spacing.due(o.step, _agree_max(session.group))
+        if not known and spacing.interval and _lead(session):
+            ctx.emit({"kind": "spacing", "every": spacing.interval, "step_s": spacing.step_s})
+        if due and more:
+            last[0] = _save(ctx, session, job, prune=spacing.automatic)
         if job.eval_every and o.step % job.eval_every == 0 and more and not job.eval.empty:
             _evaluate(ctx, session, job.eval, "during")
         return stop
@@ -214,7 +231,7 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
             f"{last[0] or 'none was written yet'}; lower --lr or check the data"
         ) from None
     if job.run_dir:
-        last[0] = _save(ctx, session, job)
+        last[0] = _save(ctx, session, job, prune=spacing.automatic)
     if not loop.stopped and not job.eval.empty:
         _evaluate(ctx, session, job.eval, "after")
     state = session.gather_state() if job.return_state else None

@@ -1,0 +1,124 @@
+"""Carrying on when a device leaves (``xronos finetune`` on the local launcher).
+
+A device is lost when its worker dies (killed by a signal: the owner ended it, the memory
+cap was hit) or stops answering (the others' collectives time out, ``--timeout``). The
+launcher then stops the other workers and the run goes on without that device::
+
+    launch ─► DeviceLost ─► device_lost ─► the survivors' job:
+                                             same workload and settings,
+                                             a new plan over the survivors (their
+                                             profiles from the run's start: no profiling),
+                                             the newest checkpoint (none: step 0)
+                              resumed ◄──────┘ (logged when the new plan is made)
+            ◄── launch again ──┘
+
+The strategy stays what it was, planned anew over the survivors (``auto`` may now pick
+``single``); one survivor runs ``single`` (``auto`` when it has a memory cap, so that a
+model it cannot hold stops with one line). Pipeline checkpoints hold no optimizer state:
+a pipeline starts over from step 0. Each loss takes one device away, so this ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from xronos.checkpoint import latest_checkpoint, read_checkpoint_meta
+from xronos.emulation import ClusterSpec
+from xronos.errors import DeviceLost, UserError
+from xronos.planner.plan import Plan
+from xronos.planner.profile import DeviceProfile
+from xronos.run.monitor import RunMonitor
+from xronos.run.prepare import Prepared, launch_job
+from xronos.run.sessions import SessionSpec
+from xronos.train.session import Strategy
+
+
+def launch_elastic(prep: Prepared, monitor: RunMonitor) -> tuple[list[Any], Prepared]:
+    """:func:`~xronos.run.prepare.launch_job`, carrying on without each device that is
+    lost (unless ``--no-elastic``); returns the workers' results and the job that ran last.
+
+    Raises:
+        DeviceLost: with ``--no-elastic``, or when no device is left.
+        UserError: the survivors cannot run the job (memory), or a mistake in the input.
+    """
+    lost: list[str] = []
+    while True:
+        try:
+            return launch_job(prep, monitor.on_event), prep
+        except DeviceLost as e:
+            if not prep.cfg.elastic:
+                raise
+            step = monitor.lost(e.device, e.rank, e.reason)
+            if prep.cluster.world_size == 1:
+                why = f"{e.reason}; no device is left"
+                raise DeviceLost(e.device, e.rank, why, e.details) from None
+            lost.append(e.device)
+            prep, start = survivors(prep, e.rank, known_profiles(prep, monitor))
+            monitor.resuming(start, step)
+        except UserError as e:
+            if not lost:
+                raise
+            raise UserError(
+                f"after losing {', '.join(repr(d) for d in lost)}, the remaining devices "
+                f"cannot carry on: {e}"
+            ) from None
+
+
+def known_profiles(prep: Prepared, monitor: RunMonitor) -> dict[str, DeviceProfile]:
+    """The profiles this run already has, by device name: read from the cache at the
+    start, or measured by the workers (reported with the plan)."""
+    known = {p.name: p for p in prep.job.profiles.cached or ()}
+    for d in monitor.measured:
+        p = DeviceProfile.from_dict(d)
+        known.setdefault(p.name, p)
+    return known
+
+
+def survivors(
+    prep: Prepared, lost_rank: int, known: dict[str, DeviceProfile]
+) -> tuple[Prepared, int]:
+    """The job of ``prep`` on every device but ``lost_rank``, from the newest checkpoint
+    it can resume, and that checkpoint's step (0: none, start over)."""
+    devices = tuple(d for r, d in enumerate(prep.cluster.devices) if r != lost_rank)
+    keep = [r for r in range(prep.cluster.world_size) if r != lost_rank]
+    cluster = ClusterSpec(prep.cluster.name, devices)
+    spec = survivor_spec(prep.job.session, cluster)
+    ckpt = None if spec.strategy.is_pipeline else resumable(prep.run_dir)
+    cached = [known.get(d.name) for d in devices]
+    profiles = replace(
+        prep.job.profiles,
+        memory_caps=tuple(prep.job.profiles.memory_caps[r] for r in keep),
+        keys=tuple(prep.job.profiles.keys[r] for r in keep),
+        cached=tuple(p for p in cached if p is not None) if all(cached) else None,
+    )
+    job = replace(
+        prep.job,
+        session=replace(spec, resuming=ckpt is not None),
+        profiles=profiles,
+        resume=str(ckpt) if ckpt is not None else None,
+    )
+    step = int(read_checkpoint_meta(ckpt)["step"]) if ckpt is not None else 0
+    return replace(prep, cluster=cluster, job=job), step
+
+
+def survivor_spec(spec: SessionSpec, cluster: ClusterSpec) -> SessionSpec:
+    """``spec``'s strategy over ``cluster`` (the survivors), planned anew."""
+    if cluster.world_size == 1:
+        alone = Strategy.AUTO if cluster.devices[0].memory_bytes else Strategy.SINGLE
+        return replace(spec, strategy=alone, plan=None, pipeline=None)
+    if spec.strategy is Strategy.TP_EVEN:
+        names = [d.name for d in cluster.devices]
+        return replace(spec, plan=Plan.even(spec.source.cfg, names), pipeline=None)
+    return replace(spec, plan=None, pipeline=None)
+
+
+def resumable(run_dir: Path) -> Path | None:
+    """The newest checkpoint of ``run_dir`` that tensor parallelism can resume (not a
+    pipeline's, which holds no optimizer state), or None."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return None
+    strategy = read_checkpoint_meta(ckpt).get("extra", {}).get("strategy")
+    return None if strategy in (Strategy.PP_GPIPE.value, Strategy.PP_1F1B.value) else ckpt

@@ -1,0 +1,164 @@
+"""Carrying on without a lost device, without processes: the survivors' strategy, the
+events in metrics.jsonl, and the errors when no one can carry on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from xronos.emulation import ClusterSpec
+from xronos.emulation.cluster import CI_2DEV_MEM_CAP, DeviceSpec
+from xronos.errors import DeviceLost, UserError
+from xronos.planner.plan import Plan, default_mlp_chunk, default_vocab_chunk
+from xronos.profiler.measure import Shape
+from xronos.run import elastic
+from xronos.run.monitor import RunMonitor
+from xronos.run.sessions import SessionSpec
+from xronos.train.optim import OptimConfig
+from xronos.train.session import Strategy
+from xronos.train.source import ModelSource
+
+
+def _spec(strategy: Strategy, plan: Plan | None = None) -> SessionSpec:
+    source = ModelSource.from_name("tiny")
+    cfg = source.cfg
+    shape = Shape(
+        cfg=cfg,
+        batch_size=2,
+        seq_len=8,
+        mlp_chunk=default_mlp_chunk(cfg.intermediate_size),
+        vocab_chunk=default_vocab_chunk(cfg.vocab_size),
+    )
+    return SessionSpec(
+        source=source, strategy=strategy, optim=OptimConfig(), shape=shape, plan=plan
+    )
+
+
+def _cluster(*names: str, memory: int | None = None) -> ClusterSpec:
+    return ClusterSpec("test", tuple(DeviceSpec(n, memory_bytes=memory) for n in names))
+
+
+def test_tp_even_is_split_evenly_over_the_survivors() -> None:
+    old = _spec(Strategy.TP_EVEN, Plan.even(ModelSource.from_name("tiny").cfg, ["a", "b", "c"]))
+    new = elastic.survivor_spec(old, _cluster("a", "c"))
+    assert new.strategy is Strategy.TP_EVEN and new.plan is not None
+    assert new.plan.devices == ("a", "c")
+
+
+def test_a_given_plan_is_made_anew() -> None:
+    given = Plan.even(ModelSource.from_name("tiny").cfg, ["a", "b", "c"])
+    new = elastic.survivor_spec(_spec(Strategy.XRONOS, given), _cluster("a", "b"))
+    assert new.strategy is Strategy.XRONOS and new.plan is None
+
+
+@pytest.mark.parametrize(
+    ("memory", "want"), [(None, Strategy.SINGLE), (CI_2DEV_MEM_CAP, Strategy.AUTO)]
+)
+def test_one_survivor_runs_alone(memory: int | None, want: Strategy) -> None:
+    # with a memory cap `auto` checks that the survivor can hold the model alone
+    new = elastic.survivor_spec(_spec(Strategy.XRONOS), _cluster("a", memory=memory))
+    assert new.strategy is want and new.plan is None
+
+
+def _prep(tmp_path: Path, *names: str, elastic_on: bool = True) -> Any:
+    return SimpleNamespace(
+        cfg=SimpleNamespace(elastic=elastic_on), cluster=_cluster(*names), run_dir=tmp_path
+    )
+
+
+def _events(run: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "event" in r]
+
+
+def _script(monkeypatch: pytest.MonkeyPatch, outcomes: list[BaseException | str]) -> None:
+    """launch_job gives ``outcomes`` in turn; a survivor's job resumes from step 4."""
+    calls = iter(outcomes)
+
+    def launch_job(prep: Any, on_event: Any) -> list[Any]:
+        out = next(calls)
+        if isinstance(out, BaseException):
+            raise out
+        on_event(
+            0,
+            {
+                "kind": "plan",
+                "plan": Plan.single(
+                    ModelSource.from_name("tiny").cfg, prep.cluster.devices[0].name
+                ).to_dict(),
+                "seconds": 0.0,
+                "given": True,
+            },
+        )
+        return [out]
+
+    def survivors(prep: Any, rank: int, known: Any) -> tuple[Any, int]:
+        devices = tuple(d for r, d in enumerate(prep.cluster.devices) if r != rank)
+        return SimpleNamespace(**{**vars(prep), "cluster": ClusterSpec("test", devices)}), 4
+
+    monkeypatch.setattr(elastic, "launch_job", launch_job)
+    monkeypatch.setattr(elastic, "survivors", survivors)
+    monkeypatch.setattr(elastic, "known_profiles", lambda prep, monitor: {})
+
+
+def _monitor(run: Path, last_step: int) -> RunMonitor:
+    monitor = RunMonitor(run, 10, lambda generated: None)
+    monitor.last_step = last_step
+    return monitor
+
+
+def test_events_of_a_loss_and_the_resumption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _script(monkeypatch, [DeviceLost("slow", 1, "died: killed by SIGKILL"), "done"])
+    monitor = _monitor(tmp_path, 7)
+    results, prep = elastic.launch_elastic(_prep(tmp_path, "fast", "slow"), monitor)
+    monitor.finish(10)
+    assert results == ["done"] and [d.name for d in prep.cluster.devices] == ["fast"]
+    lost, resumed = _events(tmp_path)
+    assert lost == {
+        "event": "device_lost",
+        "step": 7,
+        "device": "slow",
+        "rank": 1,
+        "reason": "died: killed by SIGKILL",
+    }
+    assert resumed == {
+        "event": "resumed",
+        "step": 4,
+        "devices": ["fast"],
+        "strategy": "single",
+        "recomputed_steps": 3,
+    }
+    summary = (tmp_path / "summary.md").read_text()
+    assert "device lost at step 7" in summary and "resumed at step 4" in summary
+
+
+def test_survivors_that_cannot_hold_the_model_stop_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    no_fit = UserError("auto: no strategy fits the devices' memory; add memory or devices")
+    _script(monkeypatch, [DeviceLost("slow", 1, "died: killed by SIGKILL"), no_fit])
+    with pytest.raises(UserError) as err:
+        elastic.launch_elastic(_prep(tmp_path, "fast", "slow"), _monitor(tmp_path, 7))
+    assert str(err.value) == f"after losing 'slow', the remaining devices cannot carry on: {no_fit}"
+
+
+def test_the_last_device_lost_ends_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _script(monkeypatch, [DeviceLost("fast", 0, "died: killed by SIGKILL")])
+    with pytest.raises(DeviceLost, match="killed by SIGKILL; no device is left"):
+        elastic.launch_elastic(_prep(tmp_path, "fast"), _monitor(tmp_path, 7))
+
+
+def test_no_elastic_keeps_the_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lost = DeviceLost("slow", 1, "died: killed by SIGKILL")
+    _script(monkeypatch, [lost])
+    prep = _prep(tmp_path, "fast", "slow", elastic_on=False)
+    with pytest.raises(DeviceLost) as err:
+        elastic.launch_elastic(prep, _monitor(tmp_path, 7))
+    assert err.value is lost and str(lost) == "device 'slow' (rank 1) died: killed by SIGKILL"
+    assert not (tmp_path / "metrics.jsonl").read_text()
