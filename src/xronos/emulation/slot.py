@@ -82,6 +82,14 @@ def _size_torch_pools(threads: int) -> None:
             torch.set_num_interop_threads(1)
 
 
+def cpu_sharers(cpus: Sequence[tuple[int, ...]]) -> list[list[int]]:
+    """Per device (index into ``cpus``), the other devices that have a CPU in common with it."""
+    return [
+        [j for j, other in enumerate(cpus) if j != i and set(mine) & set(other)]
+        for i, mine in enumerate(cpus)
+    ]
+
+
 def assign_cpus(
     cores: Sequence[int], quotas: Sequence[float], host_cpus: Sequence[int]
 ) -> list[tuple[int, ...]]:

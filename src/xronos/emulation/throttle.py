@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from xronos.emulation.competitor import MECHANISM as LOAD
 from xronos.emulation.competitor import MIN_SPEED, Competitor, available
 from xronos.emulation.dutycycle import DutyCycle
+from xronos.emulation.slot import cpu_sharers
 from xronos.emulation.speed import SpeedCheck
 from xronos.errors import UserError
 
@@ -27,12 +28,8 @@ def load_ranks(
     (a UserError where ``load`` was required)."""
     if mechanism not in ("auto", "load"):
         return set(), None
-    ranks = {
-        r
-        for r in range(len(asked))
-        if MIN_SPEED <= asked[r] < 1.0
-        and not any(set(cpus[r]) & set(c) for o, c in enumerate(cpus) if o != r)
-    }
+    sharers = cpu_sharers(cpus)
+    ranks = {r for r in range(len(asked)) if MIN_SPEED <= asked[r] < 1.0 and not sharers[r]}
     why = available() if ranks else None
     if why is not None and mechanism == "load":
         raise UserError(f"emulation: {why}; run as root, or use --cpu-limit quota")

@@ -14,7 +14,7 @@ from typing import Any, cast
 from xronos.comm.launch import WorkerFn, launch
 from xronos.emulation import ClusterSpec, Emulator
 from xronos.emulation.limits import Mechanism
-from xronos.emulation.slot import assign_cpus
+from xronos.emulation.slot import assign_cpus, cpu_sharers
 from xronos.errors import UserError
 from xronos.utils import atomic_write_text
 
@@ -56,10 +56,8 @@ def measurement_context(
         sorted(os.sched_getaffinity(0)),
     )
     out = []
-    for i, d in enumerate(cluster.devices):
-        sharing = [
-            cluster.devices[j].name for j, c in enumerate(cpus) if j != i and set(c) & set(cpus[i])
-        ]
+    for d, others in zip(cluster.devices, cpu_sharers(cpus), strict=True):
+        sharing = [cluster.devices[j].name for j in others]
         out.append(
             {
                 **d.to_dict(),
