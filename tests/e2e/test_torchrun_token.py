@@ -7,11 +7,12 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.agents import free_port, static_agent
 
 TOKEN = "kitchen-hub-token-5f1c2a9e7d"
 ARGS = [
@@ -36,38 +37,14 @@ def _agents(
 ) -> list[tuple[subprocess.CompletedProcess[str], float]]:
     """Start one agent per node rank at once; each agent's result and seconds until it
     ended."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     t0 = time.monotonic()
     for node, (env_extra, more) in enumerate(zip(tokens, extra, strict=True)):
         env = {k: v for k, v in os.environ.items() if k != "XRONOS_TOKEN"}
         env |= {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "OMP_NUM_THREADS": "1"} | env_extra
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "1",
-            "--node-rank",
-            str(node),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(port),
-            "-m",
-            "xronos",
-            "worker",
-            *ARGS,
-            "--join-timeout",
-            str(JOIN_TIMEOUT),
-            "--out",
-            str(tmp_path / "run"),
-            *more,
-        ]
+        args = [*ARGS, "--join-timeout", str(JOIN_TIMEOUT), "--out", str(tmp_path / "run")]
+        cmd = static_agent(2, node, port, [*args, *more])
         out, err = tmp_path / f"agent{node}.out", tmp_path / f"agent{node}.err"
         with out.open("w") as o, err.open("w") as e:  # files, not pipes: none fills up
             procs.append(subprocess.Popen(cmd, env=env, stdout=o, stderr=e))

@@ -122,15 +122,13 @@ def test_crash_while_writing_leaves_no_checkpoint(
 ) -> None:
     model, trainer = _trained(LORA)
     _save(checkpoint_path(tmp_path, 2), model, trainer)
-    real_save_file = save_mod.save_file
+    real_write = save_mod._write_bytes
 
-    def crashing_save_file(tensors: dict, path: str, metadata: dict | None = None) -> None:
-        real_save_file(tensors, path, metadata=metadata)
-        with open(path, "r+b") as f:  # half of the file reached the disk, then the failure
-            f.truncate(Path(path).stat().st_size // 2)
+    def crashing_write(path: Path, data: bytes) -> None:
+        real_write(path, data[: len(data) // 2])  # half of the file reached the disk
         raise error
 
-    monkeypatch.setattr(save_mod, "save_file", crashing_save_file)
+    monkeypatch.setattr(save_mod, "_write_bytes", crashing_write)
     target = checkpoint_path(tmp_path, 4)
     with pytest.raises(UserError if isinstance(error, OSError) else RuntimeError) as info:
         _save(target, model, trainer)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from xronos.comm.mappings import TPGroup
+from xronos.comm.relay import RemoteCheckpoint, installed
 from xronos.config import ModelConfig
 from xronos.errors import UserError
 from xronos.parallel.spec import ShardSpec, shard_spec
@@ -45,6 +46,9 @@ from .state import (
 )
 
 CHECKPOINTS = "checkpoints"
+
+Slices = SliceReader | RemoteCheckpoint
+"""Where a checkpoint's slices come from: its files here, or the coordinator's."""
 
 
 @dataclass(frozen=True)
@@ -157,8 +161,16 @@ def load_checkpoint(
             LoRA configuration or base weights.
     """
     ckpt = Path(ckpt_dir)
-    meta = read_checkpoint_meta(ckpt)
-    layouts, params = read_layouts(ckpt)
+    reader: Slices
+    client = installed()
+    if client is not None:  # a device with no files: the coordinator's checkpoint
+        reader = RemoteCheckpoint(client, os.fspath(ckpt_dir))
+        meta, params = reader.meta, reader.params
+        layouts = {k: TensorLayout.from_json(v) for k, v in reader.layouts_json.items()}
+    else:
+        meta = read_checkpoint_meta(ckpt)
+        layouts, params = read_layouts(ckpt)
+        reader = SliceReader(ckpt, layouts)
     _check_config(ckpt, meta, cfg)
     _check_lora(ckpt, meta, model)
     _check_names(ckpt, params, model)
@@ -170,7 +182,7 @@ def load_checkpoint(
                 f"checkpoint {ckpt} was written for other base weights than this model's "
                 f"({_source(meta)}); resume with the base model it was trained on"
             )
-    with SliceReader(ckpt, layouts) as reader, torch.no_grad():
+    with reader, torch.no_grad():
         for name, p in trainable(model):
             key = f"param/{name}"
             full = layouts[key].shape
@@ -200,7 +212,7 @@ def _box(full: tuple[int, ...], spec: ShardSpec | None) -> Box:
 
 
 def _optim_state(
-    reader: SliceReader,
+    reader: Slices,
     layouts: dict[str, TensorLayout],
     name: str,
     kinds: list[str],
@@ -217,7 +229,7 @@ def _optim_state(
 
 
 def _restore_rng(
-    reader: SliceReader, layouts: dict[str, TensorLayout], model: nn.Module, rank: int
+    reader: Slices, layouts: dict[str, TensorLayout], model: nn.Module, rank: int
 ) -> None:
     """The global torch RNG (this rank's, or rank 0's if the saving world was smaller) and
     the LoRA dropout generators (identical on every rank)."""

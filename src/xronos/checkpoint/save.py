@@ -4,13 +4,15 @@ Every rank of the group calls :func:`save_checkpoint` at the same point of train
 
     rank 0's pid ──all-reduce──► every rank: staging dir  <ckpt>.tmp-<pid>
     rank 0: create it                               ─┐
-    each rank: write + fsync rank<r>.safetensors     │ each phase ends in an all-reduce of
-    rank 0: write + fsync index.json, meta.json      │ a failure flag: a failure anywhere
-    rank 0: rename staging dir -> <ckpt>, COMPLETE  ─┘ stops every rank (no one hangs)
+    each rank: its shard as safetensors bytes ──►    │ each phase ends in an all-reduce of
+    rank 0: write + fsync rank<r>.safetensors of all │ a failure flag: a failure anywhere
+    rank 0: write + fsync index.json, meta.json      │ stops every rank (no one hangs)
+    rank 0: rename staging dir -> <ckpt>, COMPLETE  ─┘
 
-A crash at any point leaves either no ``<ckpt>`` or one without ``COMPLETE``; both are
-ignored by :func:`~xronos.checkpoint.latest_checkpoint`. All ranks must see the same
-filesystem (one host, or a shared mount for a multi-host run).
+Only rank 0 writes: the other ranks send it their shards (SHA-256 checked on arrival),
+so the devices need no shared filesystem and nothing of the run lands on them. A crash at
+any point leaves either no ``<ckpt>`` or one without ``COMPLETE``; both are ignored by
+:func:`~xronos.checkpoint.latest_checkpoint`.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+import torch.distributed as dist
 
+from xronos.comm.blobs import recv_blob, send_blob, tensors_blob
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
 from xronos.errors import UserError
@@ -44,6 +47,9 @@ from .state import (
     config_hash,
     describe_lora,
 )
+
+SHARD_TAG = 7201
+"""Point-to-point tag of the shards sent to rank 0."""
 
 
 def save_checkpoint(
@@ -98,7 +104,7 @@ def save_checkpoint(
 
     lead = group.rank == 0
     _phase(group, final, "ckpt.prepare", lambda: _prepare(final, staged) if lead else None, cleanup)
-    _phase(group, final, "ckpt.write", lambda: _write(staged, group.rank, local, meta), cleanup)
+    _phase(group, final, "ckpt.write", lambda: _write(staged, group, local, meta), cleanup)
     _phase(
         group, final, "ckpt.commit", lambda: _commit(staged, final, meta) if lead else None, cleanup
     )
@@ -135,12 +141,23 @@ def _prepare(final: Path, staged: Path) -> None:
     staged.mkdir()
 
 
-def _write(staged: Path, rank: int, local: RankState, meta: dict[str, Any]) -> None:
-    path = staged / rank_file(rank)
-    save_file(local.tensors, str(path), metadata={"format": "pt", "xronos": FORMAT})
-    fsync_file(path)
-    if rank != 0:
+def _write(staged: Path, group: TPGroup, local: RankState, meta: dict[str, Any]) -> None:
+    """Rank 0 writes every rank's file (the others send theirs); a failed write does not
+    stop it receiving the rest, so no sender is left waiting."""
+    shard = tensors_blob({"rank": group.rank}, local.tensors, {"format": "pt", "xronos": FORMAT})
+    if group.rank != 0:
+        send_blob(shard, _global(group, 0), _pg(group), SHARD_TAG, None)
         return
+    error: Exception | None = None
+    for r in range(group.size):
+        blob = shard if r == 0 else recv_blob(_global(group, r), _pg(group), SHARD_TAG, None)
+        try:
+            if error is None:
+                _write_bytes(staged / rank_file(r), blob.payload)
+        except Exception as e:  # re-raised once every shard has arrived
+            error = e
+    if error is not None:
+        raise error
     index = {
         "format": FORMAT,
         "version": VERSION,
@@ -151,6 +168,36 @@ def _write(staged: Path, rank: int, local: RankState, meta: dict[str, Any]) -> N
     for name, data in ((INDEX, index), (META, meta)):
         write_json(staged / name, data)
         fsync_file(staged / name)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+    fsync_file(path)
+
+
+_SHARD_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
+
+
+def _members(group: TPGroup) -> list[int]:
+    pg = group.pg if group.pg is not None else dist.group.WORLD
+    assert pg is not None, "a checkpoint of several ranks needs their process group"
+    return dist.get_process_group_ranks(pg)
+
+
+def _pg(group: TPGroup) -> dist.ProcessGroup:
+    """A process group over ``group``'s ranks for the shards alone (made on first use by
+    every member, which all save together): point-to-point messages on the training
+    group would put its ranks' collective sequence numbers out of step."""
+    key = (id(dist.group.WORLD), tuple(_members(group)))
+    if key not in _SHARD_GROUPS:
+        _SHARD_GROUPS[key] = dist.new_group(list(key[1]), use_local_synchronization=True)
+    return _SHARD_GROUPS[key]
+
+
+def _global(group: TPGroup, rank: int) -> int:
+    """The global rank of ``group``'s rank ``rank``."""
+    return _members(group)[rank]
 
 
 def _commit(staged: Path, final: Path, meta: dict[str, Any]) -> None:

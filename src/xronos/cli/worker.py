@@ -1,29 +1,42 @@
 """``xronos worker``: one device of a real multi-machine run, started by ``torchrun``.
 
-Every machine runs the same command with the same options and data files::
+Only the coordinator holds the model, the data and the run directory; it is the one device
+started with the finetune options. Every other device runs the same torchrun command with
+no options at all::
 
-    torchrun --nnodes 3 --nproc-per-node 1 --node-rank K \\
-        --rdzv-backend c10d --rdzv-endpoint HUB_ADDRESS:29500 \\
-        -m xronos worker --model ./Qwen2.5-0.5B --data ./home.jsonl --out runs/home
+    # the coordinator (the hub)
+    torchrun --nnodes 3 --nproc-per-node 1 \\
+        --rdzv-backend c10d --rdzv-endpoint HUB_ADDRESS:29500 --rdzv-id home \\
+        -m xronos worker --token-file TOKEN --model ./Qwen2.5-0.5B --data ./home.jsonl \\
+        --out runs/home
+    # every other device
+    torchrun ... the same torchrun flags ... -m xronos worker --token-file TOKEN
 
 ``torchrun`` provides RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Before the gloo group
 forms, every machine proves through torchrun's store that it holds the job's token
 (``XRONOS_TOKEN`` or ``--token-file``; the token itself never crosses the network) and runs
-the coordinator's Xronos and torch versions; a machine that does not is refused, and the
-others stop after ``--join-timeout`` unless a machine with the token takes its place. Then
-Xronos profiles each machine, plans, and trains exactly as ``xronos finetune`` does on
-emulated devices. Rank 0 (the coordinator) prints the progress and writes the run
-directory; name a machine with ``XRONOS_DEVICE`` (default: host name + local rank).
-See docs/deploy.md for what the token does and does not protect.
+the same Xronos and torch versions; a machine that does not is refused, and the others
+stop after ``--join-timeout`` unless a machine with the token takes its place. Then the
+coordinator becomes rank 0, gives every device the job, and serves each only the weight
+slices it asks for (SHA-256 checked); the devices send it their checkpoint shards, so
+nothing of the run is written anywhere else. Profiling, planning and training are those of
+``xronos finetune``. ``--resume RUN_DIR`` on the coordinator continues a run. Name a
+machine with ``XRONOS_DEVICE`` (default: host name + local rank, made unique). See
+docs/deploy.md for what the token does and does not protect.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import re
+import signal
 import socket
+import traceback
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -31,7 +44,7 @@ import torch.distributed as dist
 from xronos.cli.finetune import add_config_flags
 from xronos.comm.auth import join_torchrun_group
 from xronos.comm.job_token import TOKEN_ENV, load_token
-from xronos.errors import UserError
+from xronos.errors import UserError, WorkerError
 from xronos.runconfig import build_config, config_fields, load_toml
 
 
@@ -43,7 +56,7 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="TOML file with the finetune options ([finetune] table)")
-    skip = ("cluster", "emulate", "resume", "network", "bandwidth", "latency", "elastic")
+    skip = ("cluster", "emulate", "network", "bandwidth", "latency", "elastic")
     add_config_flags(p, skip=skip)
     p.add_argument(
         "--token-file",
@@ -93,13 +106,34 @@ def device_names(asked: list[tuple[str, bool]]) -> list[str]:
     return out
 
 
+def _options(args: argparse.Namespace, flags: dict[str, Any]) -> tuple[bool, str]:
+    """Whether this device was given the job's options, and their digest."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    text = Path(args.config).read_text() if args.config and Path(args.config).is_file() else ""
+    blob = json.dumps([given, args.config and text], sort_keys=True, default=str)
+    return bool(given) or bool(args.config), hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _lost_peer(e: BaseException) -> bool:
+    """Whether ``e`` is gloo's word for a connection to another device that failed."""
+    text = str(e)
+    return any(w in text for w in ("Connection reset", "Connection closed", "Timed out", "gloo"))
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return (lines[0] if lines else type(e).__name__)[:200]
+
+
 def run(args: argparse.Namespace) -> int:
+    from xronos.checkpoint import latest_checkpoint
     from xronos.comm.launch import WorkerContext
     from xronos.comm.mappings import TPGroup
     from xronos.emulation import ClusterSpec, DeviceSpec
+    from xronos.run.coordinator import share_job
     from xronos.run.monitor import RunMonitor
-    from xronos.run.prepare import accuracy, prepare, write_config
-    from xronos.run.worker import finetune_worker
+    from xronos.run.prepare import accuracy, prepare, resume_job, saved_config, write_config
+    from xronos.run.worker import finetune_worker, request_stop
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise UserError(
@@ -107,36 +141,78 @@ def run(args: argparse.Namespace) -> int:
             "on one machine use `xronos finetune`"
         )
     flags = {f.name: getattr(args, f.name, None) for f in config_fields()}
-    cfg = build_config(load_toml(args.config) if args.config else {}, flags)
+    lead, options = _options(args, flags)
+    local = build_config({}, {"timeout": flags.get("timeout")})
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     explicit = os.environ.get("XRONOS_DEVICE")
     mine = explicit or f"{socket.gethostname()}-{os.environ.get('LOCAL_RANK', '0')}"
     secret = load_token(args.token_file)
-    join_timeout = args.join_timeout if args.join_timeout is not None else cfg.timeout
+    join_timeout = args.join_timeout if args.join_timeout is not None else local.timeout
     if join_timeout <= 0:
         raise UserError(f"--join-timeout must be positive (got {join_timeout:g})")
-    join_torchrun_group(rank, world, mine, secret, cfg.timeout, join_timeout)
+    rank = join_torchrun_group(
+        rank, world, mine, secret, local.timeout, join_timeout, lead=lead, options=options
+    )
+    # torchrun passes Ctrl-C on to its worker as SIGTERM: stop after the step in flight
+    # and checkpoint (every device agrees at the step's end), as `xronos finetune` does
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, request_stop)
     try:
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (mine, explicit is not None))
-        names = device_names(gathered)
-        me = names[rank]
         threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or (os.cpu_count() or 1)
-        cluster = ClusterSpec(
-            name="torchrun", devices=tuple(DeviceSpec(name=n, cores=threads) for n in names)
-        )
-        prep = prepare(replace(cfg, emulate=False), cluster=cluster)
-        ctx = WorkerContext(rank, world, me, TPGroup.from_default(), cfg.timeout, tuple(names))
-        monitor = None
-        if rank == 0:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (mine, explicit is not None, threads))
+        names = device_names([(n, e) for n, e, _ in gathered])
+        me = names[rank]
+        cores = [c for _, _, c in gathered]
+        devices = tuple(DeviceSpec(name=n, cores=c) for n, c in zip(names, cores, strict=True))
+        cluster = ClusterSpec(name="torchrun", devices=devices)
+
+        def make() -> Any:  # on the coordinator: the finetune options, as `finetune` reads them
+            base = load_toml(args.config) if args.config else {}
+            asked = dict(flags)
+            out = build_config(base, flags).out
+            if restarted and not asked.get("resume") and out and latest_checkpoint(out):
+                asked["resume"] = out  # torchrun restarted the job: continue where it was
+            if asked.get("resume"):
+                base = saved_config(str(asked["resume"])) | base
+            cfg = replace(build_config(base, asked), emulate=False)
+            prep = resume_job(cfg, cluster) if cfg.resume else prepare(cfg, cluster=cluster)
             write_config(prep)
+            for line in prep.notes:
+                print(line)
+            return prep
+
+        shared = share_job(rank, world, make, local.timeout)
+        ctx = WorkerContext(
+            rank, world, me, TPGroup.from_default(), shared.cfg.timeout, tuple(names)
+        )
+        monitor = None
+        if shared.prep is not None:
+            prep = shared.prep
+            print(
+                f"coordinating {world} devices ({', '.join(names)}); run directory {prep.run_dir}"
+            )
             monitor = RunMonitor(
                 prep.run_dir,
                 prep.job.steps,
                 lambda g: accuracy(prep.tokenizer, g, prep.eval_refs),
             )
             ctx.channel = _Direct(monitor)
-        result = finetune_worker(ctx, prep.job)
+        try:
+            result = finetune_worker(ctx, shared.job)
+        except (RuntimeError, dist.DistError) as e:  # a peer's connection failed mid-run
+            if isinstance(e, WorkerError) or not _lost_peer(e):
+                raise
+            raise WorkerError(
+                f"device '{me}': lost a device ({_first_line(e)}); torchrun restarts the "
+                "job when --max-restarts allows, and the coordinator resumes from its "
+                "newest checkpoint",
+                traceback.format_exc(),
+            ) from None
+        said = shared.close()
+        if said:
+            print(f"xronos: device '{me}': {said}")
         if monitor is not None:
             print(monitor.finish(result.step))
         # Tear down together: a rank that destroys its process group while another still

@@ -40,6 +40,7 @@ from typing import Any
 import torch.distributed as dist
 
 from xronos.comm.job_token import TOKEN_ENV, no_token_warning
+from xronos.comm.roles import exchange_roles
 from xronos.errors import UserError
 
 _PROTOCOL = "xronos-join-v1"
@@ -314,9 +315,13 @@ def join_torchrun_group(
     secret: bytes | None,
     timeout_s: float,
     join_timeout_s: float,
-) -> None:
+    lead: bool = False,
+    options: str = "",
+) -> int:
     """Reach the store torchrun names in MASTER_ADDR/MASTER_PORT (as ``env://`` does), admit
-    every rank through it, then form the default gloo group on the same store."""
+    every rank through it, put the coordinator first (``lead``: this device was given the
+    job's options, whose digest is ``options``; :mod:`~xronos.comm.roles`), then form the
+    default gloo group on the same store. Returns this device's rank in that group."""
     import datetime
 
     endpoint = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
@@ -335,20 +340,14 @@ def join_torchrun_group(
         f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/"
         f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     )
-    admit(
-        Join(
-            dist.PrefixStore(f"xronos/join/{attempt}", store),
-            rank,
-            world_size,
-            device,
-            secret,
-            join_timeout_s,
-        )
-    )
+    joining_store = dist.PrefixStore(f"xronos/join/{attempt}", store)
+    admit(Join(joining_store, rank, world_size, device, secret, join_timeout_s))
+    ours = exchange_roles(joining_store, rank, world_size, lead, options)
     dist.init_process_group(
         "gloo",
         store=dist.PrefixStore("default_pg", store),  # the prefix env:// itself adds
-        rank=rank,
+        rank=ours,
         world_size=world_size,
         timeout=timeout,
     )
+    return ours

@@ -30,13 +30,13 @@ import torch
 from torch import nn
 
 from xronos.comm.mappings import CopyToTP, ReduceFromTP, TPGroup
+from xronos.comm.relay import RemoteModelReader, installed
 from xronos.config import ModelConfig
 from xronos.errors import UserError
-from xronos.model.gguf_io import GGUFReader
 from xronos.model.llama import Attention, Block, LlamaForCausalLM
 from xronos.model.lora import LoRAConfig, LoRALinear, add_lora, lora_init
+from xronos.model.readers import ModelReader, open_model_reader
 from xronos.model.rope import RotaryEmbedding
-from xronos.model.safetensors_io import SafetensorsReader
 from xronos.parallel.spec import ShardSpec, shard_spec
 from xronos.parallel.vocab import VocabParallelEmbedding, VocabParallelHead
 from xronos.planner.plan import Plan, segment_kind
@@ -242,14 +242,16 @@ def build_model(
     return model
 
 
-def open_reader(path: str | Path) -> SafetensorsReader | GGUFReader:
-    """The reader of a checkpoint: a ``.gguf`` file, else a Hugging Face directory."""
-    return GGUFReader(path) if Path(path).is_file() else SafetensorsReader(path)
+def open_reader(path: str | Path) -> ModelReader:
+    """The reader of a checkpoint: a ``.gguf`` file, else a Hugging Face directory; on a
+    device that holds no files (:mod:`xronos.comm.relay`), the coordinator's, slice by slice."""
+    client = installed()
+    if client is not None:
+        return RemoteModelReader(client, str(path))
+    return open_model_reader(path)
 
 
-def _read(
-    reader: SafetensorsReader | GGUFReader, name: str, spec: ShardSpec | None
-) -> torch.Tensor:
+def _read(reader: ModelReader, name: str, spec: ShardSpec | None) -> torch.Tensor:
     if spec is None:
         return reader.read(name)
     full_len = reader.shape(name)[spec.dim]

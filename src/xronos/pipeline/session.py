@@ -41,11 +41,16 @@ class PipelineSession:
         strategy: Strategy,
         timeout_s: float = 120.0,
         stage_ranks: Sequence[int] | None = None,
+        anchored: bool = False,
     ) -> None:
-        """``stage_ranks``: which rank of ``group`` runs each stage (default: in order)."""
+        """``stage_ranks``: which rank of ``group`` runs each stage (default: in order);
+        ``anchored``: the stage on the group's rank 0 evaluates and writes checkpoints (it
+        runs on the coordinator, which alone holds the run directory)."""
         if not strategy.is_pipeline:
             raise ValueError(f"{strategy} is not a pipeline strategy")
         self.source, self.pplan, self.group, self.strategy = source, pplan, group, strategy
+        self.stage_ranks = list(stage_ranks) if stage_ranks is not None else list(range(group.size))
+        self.anchored = anchored
         self.runner = PipelineRunner(
             source,
             pplan,
@@ -73,6 +78,8 @@ class PipelineSession:
         state = self.runner.gather_state()
         ranges = self.pplan.layer_ranges
         evaluator = max(range(len(ranges)), key=lambda j: (ranges[j][1] - ranges[j][0], j))
+        if self.anchored:  # the coordinator alone writes: the stage on its rank
+            evaluator = self.stage_ranks.index(0)
         if self.runner.stage != evaluator:
             return None
         model = self.source.build(Plan.single(self.source.cfg), TPGroup())

@@ -261,7 +261,7 @@ def saved_config(run_dir: str) -> dict[str, Any]:
     return {k: v for k, v in saved.items() if k not in ("resume", "out")} | {"out": run_dir}
 
 
-def resume_job(cfg: RunConfig) -> Prepared:
+def resume_job(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
     """``prepare`` for a run that continues from its latest complete checkpoint."""
     from dataclasses import replace
 
@@ -272,7 +272,7 @@ def resume_job(cfg: RunConfig) -> Prepared:
     if ckpt is None:
         raise UserError(f"--resume {cfg.resume}: no complete checkpoint to continue from")
     meta = read_checkpoint_meta(ckpt)
-    prep = prepare(replace(cfg, out=cfg.resume))
+    prep = prepare(replace(cfg, out=cfg.resume), cluster=cluster)
     if int(meta["step"]) >= prep.job.steps:
         raise UserError(
             f"--resume {cfg.resume}: its checkpoint is at step {meta['step']} of "

@@ -70,6 +70,9 @@ class SessionSpec:
     trial_steps: int = TRIAL_STEPS
     """``auto``: timed steps of each shortlisted candidate before choosing (0: trust the
     predictions alone)."""
+    anchor: int | None = None
+    """A device that every session must include: the coordinator, which alone holds the
+    files and writes the run (``xronos worker``); None: any subset may run."""
     resuming: bool = False
     """The run continues from a checkpoint: ``auto`` leaves out what cannot resume
     (pipelines, whose checkpoints hold no optimizer state)."""
@@ -190,6 +193,7 @@ def open_session(
             s,
             timeout_s=ctx.timeout_s,
             stage_ranks=spec.pipeline.stage_ranks,
+            anchored=spec.anchor is not None,
         )
         return Opened(session, time.perf_counter() - t0, given=True)
     if spec.plan is not None or s is not Strategy.XRONOS:
@@ -290,6 +294,7 @@ def open_auto(
         and c.strategy != "hybrid"
         and (only is None or c.strategy == only)
         and not (spec.resuming and only is None and isinstance(c.plan, PipelinePlan))
+        and (spec.anchor is None or spec.anchor in c.devices)
     ]
     if not runnable:
         raise UserError("auto: no strategy fits the devices' memory; add memory or devices")
@@ -379,5 +384,6 @@ def _open_candidate(
         schedule,
         timeout_s=ctx.timeout_s,
         stage_ranks=order,
+        anchored=spec.anchor is not None,
     )
     return pipeline, []

@@ -76,7 +76,9 @@ class WorkerResult:
 _STOP = {"requested": False}
 
 
-def _request_stop(signum: int, frame: Any) -> None:
+def request_stop(signum: int, frame: Any) -> None:
+    """A signal handler: stop after the step in flight (every rank agrees at its end),
+    checkpoint and return."""
     _STOP["requested"] = True
 
 
@@ -177,7 +179,7 @@ def checkpoint_extra(job: FinetuneJob, session: Session) -> dict[str, Any]:
 def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     """Open the strategy's session, train ``job.steps`` steps with the one loop, evaluate
     and checkpoint as asked; every rank returns the same result."""
-    signal.signal(signal.SIGUSR1, _request_stop)
+    signal.signal(signal.SIGUSR1, request_stop)
     torch.manual_seed(job.seed)
     profiles = Profiles(ctx, job.session.shape, job.profiles)
     opened = open_session(job.session, ctx, ctx.group, profiles.usable, job.data.peek())
