@@ -147,6 +147,13 @@ class RunConfig:
     elastic: bool = True
     """When a device dies or stops answering, carry on with the others: a new plan over
     them, state from the newest checkpoint (--no-elastic: stop with an error instead)."""
+    disturb: str | None = None
+    """Emulation: at step N another program starts on DEVICE (DEVICE@N, e.g. slow@40): a
+    CPU-bound process joins the device's cgroups and CPUs until the run ends."""
+    rebalance: bool = True
+    """Re-plan live when a device's speed changes for good (another program starts on it,
+    it throttles) and move the units between two steps, when the move pays for itself
+    (strategy xronos; --no-rebalance keeps the first plan)."""
     tensorboard: bool = False
     """Also write TensorBoard event files (needs the tensorboard package)."""
 

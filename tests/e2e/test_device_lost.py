@@ -111,7 +111,7 @@ def _stop(proc: subprocess.Popen[str], stopped: int | None) -> None:
     [
         (signal.SIGKILL, []),
         # a device that stops answering: the others' collectives time out (--timeout)
-        (signal.SIGSTOP, ["--timeout", "20"]),
+        (signal.SIGSTOP, ["--timeout", "10"]),
     ],
     ids=["killed", "silent"],
 )

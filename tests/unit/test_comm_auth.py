@@ -40,6 +40,7 @@ def _run(
     timeout_s: float = 10.0,
     identities: dict[int, Identity] | None = None,
     prefix: str = "job",
+    coordinator: int = 0,
 ) -> tuple[dict[int, BaseException | None], list[str]]:
     """Every rank's admission at once; each rank's exception (None: admitted) and the lines
     the coordinator logged."""
@@ -56,6 +57,7 @@ def _run(
             timeout_s,
             identity=(identities or {}).get(r, local_identity()),
             log=logged.append,
+            coordinator=coordinator,
         )
         try:
             admit(join)
@@ -78,6 +80,16 @@ def test_devices_with_the_token_are_admitted(server: dist.TCPStore) -> None:
     assert logged == []
 
 
+def test_the_coordinator_checks_the_others_whatever_its_rank(server: dist.TCPStore) -> None:
+    # torchrun put the coordinator (the device with the options) at rank 2 and a device
+    # with a wrong token at rank 0: the coordinator refuses rank 0, not the other way round
+    outcome, logged = _run(server, [WRONG, TOKEN, TOKEN], timeout_s=3.0, coordinator=2)
+    assert str(outcome[0]).startswith("device 'dev0': the coordinator refused this device's")
+    assert "rank 0 ('dev0') was refused: its token does not match" in str(outcome[2])
+    assert "waiting for rank 0 ('dev0')" in str(outcome[1])
+    assert any("rank 0" in line and "token does not match" in line for line in logged)
+
+
 def test_a_wrong_token_is_refused_and_the_others_stop_at_the_join_timeout(
     server: dist.TCPStore,
 ) -> None:
@@ -94,7 +106,7 @@ def test_a_wrong_token_is_refused_and_the_others_stop_at_the_join_timeout(
         assert isinstance(outcome[r], UserError), outcome[r]
         assert "not every device joined within 3 s" in str(outcome[r])
     assert "rank 2 ('dev2') was refused: its token does not match" in str(outcome[0])
-    assert "waiting for rank(s) [2]" in str(outcome[1])
+    assert "waiting for rank 2 ('dev2')" in str(outcome[1])
     assert any("rank 2" in line and "token does not match" in line for line in logged)
     assert 3.0 <= took < 3.0 + 20  # the join timeout, plus start-up on a busy machine
 
@@ -256,3 +268,14 @@ def test_short_empty_and_missing_tokens_are_refused(tmp_path: Path) -> None:
         load_token(str(f), {})
     with pytest.raises(UserError, match="cannot read token file"):
         load_token(str(tmp_path / "nope"), {})
+
+
+def test_the_device_given_the_options_coordinates() -> None:
+    from xronos.comm.roles import coordinator_order
+
+    none, hub = {"lead": False, "options": "x"}, {"lead": True, "options": "abc"}
+    assert coordinator_order([none, none, hub]) == [2, 0, 1]
+    assert coordinator_order([none, none]) == [0, 1]  # no options anywhere: the defaults
+    assert coordinator_order([hub, none, hub]) == [0, 1, 2]  # started alike: the first
+    with pytest.raises(UserError, match=r"ranks \[0, 2\] were each started with different"):
+        coordinator_order([hub, none, {"lead": True, "options": "other"}])

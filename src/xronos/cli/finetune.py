@@ -76,11 +76,21 @@ def run(args: argparse.Namespace) -> int:
         lambda generated: accuracy(prep.tokenizer, generated, prep.eval_refs),
         tensorboard=cfg.tensorboard,
     )
+    intruder = None
+    if cfg.disturb:
+        from xronos.emulation.intruder import Intruder
+
+        names = [d.name for d in prep.cluster.devices]
+        intruder = Intruder.parse(cfg.disturb, prep.run_dir, names)
+        monitor.step_hooks.append(intruder.on_step)
     try:
         results, prep = launch_elastic(prep, monitor)
     except KeyboardInterrupt:
         monitor.finish(monitor.losses[-1][0] if monitor.losses else 0)
         raise
+    finally:
+        if intruder is not None:
+            intruder.stop()
     result = results[0]
     summary = monitor.finish(result.step)
     if monitor.measured and not prep.job.profiles.cached:  # the next run skips profiling

@@ -56,7 +56,7 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="TOML file with the finetune options ([finetune] table)")
-    skip = ("cluster", "emulate", "network", "bandwidth", "latency", "elastic")
+    skip = ("cluster", "emulate", "network", "bandwidth", "latency", "elastic", "disturb")
     add_config_flags(p, skip=skip)
     p.add_argument(
         "--token-file",
@@ -117,7 +117,8 @@ def _options(args: argparse.Namespace, flags: dict[str, Any]) -> tuple[bool, str
 def _lost_peer(e: BaseException) -> bool:
     """Whether ``e`` is gloo's word for a connection to another device that failed."""
     text = str(e)
-    return any(w in text for w in ("Connection reset", "Connection closed", "Timed out", "gloo"))
+    words = ("Connection reset", "Connection closed", "Timed out", "monitoredBarrier", "gloo")
+    return any(w in text for w in words)
 
 
 def _first_line(e: BaseException) -> str:

@@ -6,7 +6,7 @@ anything that can reach its port can read and write every key. So every message 
 harmless to read or bound by an HMAC-SHA256 keyed with the token to fresh nonces of both
 sides; a captured answer is worth nothing in another exchange.
 
-    worker r                                coordinator (rank 0)
+    worker r                                coordinator (the device given the options)
     hello/r     {n_r, versions}        ──►
                                        ◄──  challenge/r  {echo n_r, n_0, versions_0,
                                                           H("coordinator", n_0, n_r, r, versions_0)}
@@ -40,7 +40,7 @@ from typing import Any
 import torch.distributed as dist
 
 from xronos.comm.job_token import TOKEN_ENV, no_token_warning
-from xronos.comm.roles import exchange_roles
+from xronos.comm.roles import agree_on_round, torchrun_store
 from xronos.errors import UserError
 
 _PROTOCOL = "xronos-join-v1"
@@ -98,6 +98,8 @@ class Join:
     timeout_s: float
     identity: Identity = field(default_factory=local_identity)
     log: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr))
+    coordinator: int = 0
+    """The rank that checks every other (the device given the job's options)."""
     poll_s: float = 0.05
 
     @property
@@ -127,7 +129,7 @@ class Join:
     def _lost(self, e: BaseException) -> UserError:
         return UserError(
             f"device '{self.device}': lost the rendezvous store ({_first_line(e)}); "
-            "the coordinator's torchrun has probably stopped"
+            "the torchrun agent that hosts it has probably stopped"
         )
 
     def wait_for(self, name: str, fresh: Callable[[dict[str, Any]], bool], until: float) -> Any:
@@ -141,10 +143,10 @@ class Join:
 
 def admit(join: Join) -> None:
     """Return once every rank has proven the token and its versions; raise ``UserError``
-    with one line (naming this device) otherwise. Rank 0 is the coordinator."""
+    with one line (naming this device) otherwise."""
     if join.world_size <= 1:
         return
-    if join.rank == 0:
+    if join.rank == join.coordinator:
         _coordinate(join)
     else:
         _join(join)
@@ -159,7 +161,7 @@ def _join(j: Join) -> None:
     ch = j.wait_for(f"challenge/{me}", lambda v: v.get("echo") == n_r, until)
     if ch is None:
         raise UserError(
-            f"device '{j.device}': the coordinator (rank 0) did not answer within "
+            f"device '{j.device}': the coordinator did not answer within "
             f"{j.timeout_s:.0f} s; is it running, and are both started for the same job?"
         )
     n_0, theirs = str(ch.get("nonce")), Identity(str(ch.get("xronos")), str(ch.get("torch")))
@@ -205,7 +207,7 @@ def _fields(identity: Identity) -> tuple[str, str]:
 
 def _coordinate(j: Join) -> None:
     until = time.monotonic() + j.timeout_s
-    peers = {r: _Peer() for r in range(1, j.world_size)}
+    peers = {r: _Peer() for r in range(j.world_size) if r != j.coordinator}
     while time.monotonic() < until:
         for r, peer in peers.items():
             _step(j, r, peer, until)
@@ -218,7 +220,8 @@ def _coordinate(j: Join) -> None:
         for r, peer in peers.items():
             if peer.state == "accepted" and peer.told != pending:
                 peer.told = pending
-                reason = f"the coordinator admitted it and is waiting for rank(s) {pending}"
+                waiting = ", ".join(_named(r, peers[r]) for r in pending)
+                reason = f"the coordinator admitted it and is waiting for {waiting}"
                 j.write(f"verdict/{r}", {"echo": peer.nonce, "state": "waiting", "reason": reason})
         time.sleep(j.poll_s)
     missing = [
@@ -231,6 +234,10 @@ def _coordinate(j: Join) -> None:
         f"device '{j.device}': not every device joined within {j.timeout_s:.0f} s: "
         f"{'; '.join(missing)}; stopping"
     )
+
+
+def _named(r: int, peer: _Peer) -> str:
+    return f"rank {r} ({peer.device!r})" if peer.device else f"rank {r}"
 
 
 @dataclass
@@ -318,10 +325,11 @@ def join_torchrun_group(
     lead: bool = False,
     options: str = "",
 ) -> int:
-    """Reach the store torchrun names in MASTER_ADDR/MASTER_PORT (as ``env://`` does), admit
-    every rank through it, put the coordinator first (``lead``: this device was given the
-    job's options, whose digest is ``options``; :mod:`~xronos.comm.roles`), then form the
-    default gloo group on the same store. Returns this device's rank in that group."""
+    """Reach the store torchrun names in MASTER_ADDR/MASTER_PORT (as ``env://`` does), agree
+    with the other devices on this round and its coordinator (``lead``: this device was
+    given the job's options, whose digest is ``options``; :mod:`~xronos.comm.roles`), admit
+    every device through the store, then form the default gloo group on it, the coordinator
+    first. Returns this device's rank in that group."""
     import datetime
 
     endpoint = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
@@ -330,24 +338,40 @@ def join_torchrun_group(
     timeout = datetime.timedelta(seconds=timeout_s)
     joining = datetime.timedelta(seconds=join_timeout_s)
     try:
-        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=joining))
+        store = torchrun_store(rank, world_size, joining)
     except (RuntimeError, ValueError) as e:
         raise UserError(
             f"device '{device}': cannot reach the rendezvous store at {endpoint} ({_first_line(e)})"
         ) from None
     store.set_timeout(timeout)
-    attempt = (
-        f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/"
-        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    order, round_id = agree_on_round(
+        dist.PrefixStore(f"xronos/roles/{run}", store),
+        rank,
+        world_size,
+        lead,
+        options,
+        device,
+        join_timeout_s,
     )
-    joining_store = dist.PrefixStore(f"xronos/join/{attempt}", store)
-    admit(Join(joining_store, rank, world_size, device, secret, join_timeout_s))
-    ours = exchange_roles(joining_store, rank, world_size, lead, options)
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore("default_pg", store),  # the prefix env:// itself adds
-        rank=ours,
-        world_size=world_size,
-        timeout=timeout,
-    )
+    joining_store = dist.PrefixStore(f"xronos/join/{round_id}", store)
+    join = Join(joining_store, rank, world_size, device, secret, join_timeout_s)
+    join.coordinator = order[0]
+    admit(join)
+    ours = order.index(rank)
+    try:
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"xronos/pg/{round_id}", store),
+            rank=ours,
+            world_size=world_size,
+            timeout=timeout,
+        )
+    except RuntimeError as e:  # gloo could not connect the devices' pairs
+        raise UserError(
+            f"device '{device}': admitted, but could not connect to the other devices "
+            f"({_first_line(e)[:160]}); set GLOO_SOCKET_IFNAME to the network interface the "
+            "devices share (e.g. eth0 or wg0) and check that each host name resolves to "
+            "that interface's address, not 127.0.0.1"
+        ) from None
     return ours

@@ -14,6 +14,7 @@ text, no files); weights and checkpoints travel as the slices each device asks f
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from xronos.comm.relay import RelayClient, install
 from xronos.errors import UserError
 from xronos.run.prepare import Prepared
+from xronos.run.rebalance import move_prefix
 from xronos.run.relay_server import RelayServer
 from xronos.run.worker import FinetuneJob
 from xronos.runconfig import RunConfig
@@ -78,7 +80,9 @@ def share_job(rank: int, world: int, make: Callable[[], Prepared], timeout_s: fl
     shared = Shared(job, cfg, prep)
     if rank == 0:
         allowed = {str(p) for p in (job.session.source.model_dir, job.resume) if p}
-        shared.server = RelayServer(relay, set(range(1, world)), allowed, timeout_s).start()
+        moves = (move_prefix(os.getpid()),)  # live re-balancing's checkpoints
+        clients = set(range(1, world))
+        shared.server = RelayServer(relay, clients, allowed, timeout_s, moves).start()
     else:
         shared.client = RelayClient(relay, timeout_s)
         install(shared.client)

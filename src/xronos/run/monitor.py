@@ -60,7 +60,9 @@ class RunMonitor:
         self.last_step = 0
         """The last step reported done."""
         self.events: list[dict[str, Any]] = []
-        """``device_lost`` and ``resumed`` events, as written to ``metrics.jsonl``."""
+        """``device_lost``, ``resumed`` and ``rebalanced`` events, as in ``metrics.jsonl``."""
+        self.step_hooks: list[Callable[[int], None]] = []
+        """Called with each step number as it arrives (e.g. emulation that starts at a step)."""
         self._resume: dict[str, int] | None = None
         self.tb = _tensorboard(run_dir) if tensorboard else None
         self.started = time.perf_counter()
@@ -146,11 +148,25 @@ class RunMonitor:
             self._eval(ev)
         elif kind == "checkpoint":
             self.checkpoint = ev["path"]
+        elif kind == "rebalance":
+            self._rebalanced(ev)
         elif kind == "spacing":
             self.say(
                 f"checkpoint every {ev['every']} steps ({ev['step_s']:.2f} s each): a lost "
                 "device costs at most about a minute of training"
             )
+
+    def _rebalanced(self, ev: dict[str, Any]) -> None:
+        self.plan = Plan.from_dict(ev["plan"])
+        pairs = zip(self.plan.devices, ev["relative"], strict=True)
+        speeds = ", ".join(f"{d} ×{r:.2f}" for d, r in pairs)
+        self.event("rebalanced", ev["step"], relative=ev["relative"], seconds=ev["seconds"])
+        self.say(
+            f"step {ev['step']}: device speeds changed (compute relative to the others: "
+            f"{speeds}); moved to a new plan in {ev['seconds']:.1f} s, predicted "
+            f"{ev['now_s']:.3f} → {ev['then_s']:.3f} s/step:\n{self.plan.table()}"
+        )
+        atomic_write_text(self.run_dir / "plan.json", self.plan.to_json())
 
     def _step(self, ev: dict[str, Any]) -> None:
         now = time.perf_counter()
@@ -171,6 +187,8 @@ class RunMonitor:
         step, loss = ev["step"], ev["loss"]
         self.losses.append((step, loss))
         self.last_step = step
+        for hook in self.step_hooks:
+            hook(step)
         row = {
             "step": step,
             "loss": loss,

@@ -204,6 +204,7 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
         eval_every=cfg.eval_every,
         save_every=cfg.save_every,
         run_dir=str(run_dir),
+        rebalance=cfg.rebalance,
     )
     notes = [*([model_note] if model_note else []), train.summary()]
     if evald is not None:

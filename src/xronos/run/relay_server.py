@@ -32,8 +32,12 @@ class RelayServer:
         clients: set[int],
         allowed: set[str],
         timeout_s: float,
+        prefixes: tuple[str, ...] = (),
     ) -> None:
+        """``allowed``: the paths it serves; ``prefixes``: and every path that starts with
+        one of them (the checkpoints that move a run to a new plan)."""
         self.group, self.waiting, self.allowed = group, set(clients), allowed
+        self.prefixes = prefixes
         self.timeout_s = timeout_s
         self.bytes_sent: dict[int, int] = {r: 0 for r in clients}
         self.error: BaseException | None = None
@@ -75,7 +79,7 @@ class RelayServer:
     def _answer(self, req: dict[str, Any]) -> Blob:
         op, path = req.get("op"), str(req.get("path"))
         try:
-            if path not in self.allowed:
+            if path not in self.allowed and not path.startswith(self.prefixes or ("\0",)):
                 raise UserError(f"{path!r} is not a file of this job")
             if op == "model.shape":
                 return Blob({"shape": list(self._model(path).shape(str(req["name"])))})

@@ -22,11 +22,13 @@ from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
 from xronos.metrics.recorder import SpanRecorder
 from xronos.metrics.records import StepRecord
+from xronos.run.rebalance import Rebalancer
 from xronos.run.sessions import Opened, Profiles, ProfileSource, SessionSpec, open_session
 from xronos.run.spacing import KEEP, CheckpointSpacing
 from xronos.train.batches import StepSource
 from xronos.train.loop import LossNotFinite, StepOutcome, train_loop
-from xronos.train.session import EvalSpec, Session
+from xronos.train.session import EvalSpec, Session, Strategy
+from xronos.train.tp import TPSession
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +55,9 @@ class FinetuneJob:
     """Record collective spans for the idle/transfer analysis."""
     return_state: bool = False
     """Return the gathered final parameters (tests)."""
+    rebalance: bool = True
+    """Move a heterogeneous tensor-parallel run to a new plan when a device's speed
+    changes for good (:mod:`xronos.run.rebalance`)."""
     keep_records: bool = False
     """Return every step's records too (tests; a run streams them to the parent)."""
 
@@ -176,6 +181,31 @@ def checkpoint_extra(job: FinetuneJob, session: Session) -> dict[str, Any]:
     }
 
 
+def _rebalancer(
+    ctx: WorkerContext, job: FinetuneJob, opened: Opened, session: Session
+) -> Rebalancer | None:
+    """Live re-balancing for a calibrated heterogeneous tensor-parallel run (collective
+    over its group when enabled)."""
+    on = (
+        job.rebalance
+        and job.record
+        and isinstance(session, TPSession)
+        and session.strategy is Strategy.XRONOS
+        and session.group.size > 1
+        and len(opened.calibrated) == session.group.size
+    )
+    if not on:
+        return None
+    shape = job.session.shape
+    return Rebalancer(
+        session,  # type: ignore[arg-type]
+        list(opened.calibrated),
+        (shape.mlp_chunk, shape.vocab_chunk),
+        job.steps,
+        ctx.emit,
+    )
+
+
 def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     """Open the strategy's session, train ``job.steps`` steps with the one loop, evaluate
     and checkpoint as asked; every rank returns the same result."""
@@ -196,7 +226,10 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     kept: list[list[StepRecord]] = []
     spacing = CheckpointSpacing(job.save_every if job.run_dir else 0)
 
+    current: list[Session] = [session]  # a move to a new plan replaces it
+
     def after_step(o: StepOutcome) -> bool:
+        session = current[0]
         if job.keep_records and o.records:
             kept.append(o.records)
         if _lead(session):
@@ -225,13 +258,22 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
 
     group = session.group
     recorder = SpanRecorder(ctx.rank, ctx.device, enabled=job.record and group.size > 1)
+    mover = _rebalancer(ctx, job, opened, session)
+
+    def swap(old: Session, o: StepOutcome) -> Session | None:
+        fresh = mover.after(old, o.records) if mover and isinstance(old, TPSession) else None
+        if fresh is not None:
+            current[0] = fresh
+        return fresh
+
     try:
-        loop = train_loop(session, job.data, job.steps, group, recorder, after_step)
+        loop = train_loop(session, job.data, job.steps, group, recorder, after_step, swap)
     except LossNotFinite as e:
         raise UserError(
             f"loss is {e.loss} at step {e.step}; stopped; the last good checkpoint is "
             f"{last[0] or 'none was written yet'}; lower --lr or check the data"
         ) from None
+    session = current[0]
     if job.run_dir:
         last[0] = _save(ctx, session, job, prune=spacing.automatic)
     if not loop.stopped and not job.eval.empty:

@@ -98,6 +98,8 @@ class LoopResult:
     """Ended by a stop request before ``steps``."""
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    session: Session | None = None
+    """The session that trained last (another than the one given after a swap)."""
 
 
 def train_loop(
@@ -107,9 +109,12 @@ def train_loop(
     group: TPGroup,
     recorder: SpanRecorder,
     on_step: Callable[[StepOutcome], bool] | None = None,
+    swap: Callable[[Session, StepOutcome], Session | None] | None = None,
 ) -> LoopResult:
-    """Train ``session`` until it has done ``steps`` steps, or ``on_step`` returns True."""
-    out = LoopResult(steps=session.steps_done)
+    """Train ``session`` until it has done ``steps`` steps, or ``on_step`` returns True.
+    ``swap`` may return another session (the same training state under another plan) to
+    go on with from the next step; ``LoopResult.session`` is the last one."""
+    out = LoopResult(steps=session.steps_done, session=session)
     while session.steps_done < steps:
         outcome = run_step(session, data.next_step(), group, recorder)
         out.steps = outcome.step
@@ -118,4 +123,6 @@ def train_loop(
         if on_step is not None and on_step(outcome):
             out.stopped = outcome.step < steps
             break
+        if swap is not None and (fresh := swap(session, outcome)) is not None:
+            session = out.session = fresh
     return out

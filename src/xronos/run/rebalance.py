@@ -1,0 +1,240 @@
+"""Live re-balancing: when a device's speed changes for good, re-plan and move the units
+between two steps, without restarting the workers.
+
+    every step's records ─► SpeedWatch: each device's compute, baseline vs recent window
+    a persistent change  ─► fit the profiles to the recent steps ─► plan_tp
+    pays for itself?     ─► move: checkpoint in memory, the new shard, load ─► go on
+
+**Persistent, relative, with hysteresis.** The baseline is each device's median compute
+over :data:`WINDOW` steps after the plan (the first steps, still warming up, left out);
+the recent value is the median over the last :data:`WINDOW` steps, so a spike of a few
+steps moves nothing. Only a change of one device *relative to the others* counts — a host
+that slows every device alike leaves the best split as it is — and only by more than
+:data:`THRESHOLD`. After a move the baseline starts again, and the next move waits at
+least :data:`COOLDOWN` steps.
+
+**Pays for itself.** The profiles are refitted to the recent steps with calibration's own
+fit (:func:`xronos.planner.calibrate.fit`), the exact planner plans again, and the move
+goes ahead only when the predicted saving per step, over the steps left, exceeds twice what
+a move costs (measured at the last move; before any, :data:`FIRST_MOVE_STEPS` steps).
+
+**The move** is a checkpoint written by rank 0 (the other ranks send it their shards),
+read back under the new plan by every rank — the resharding checkpoint format, so the
+continuation is the same training (parameters, AdamW moments, LoRA adapters, data
+position, RNG). It goes to a memory filesystem (``/dev/shm``) where the host has one; a
+device that holds no files reads its slices through the coordinator's relay.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xronos.config import ModelConfig
+from xronos.metrics.records import StepRecord
+from xronos.planner import plan_tp
+from xronos.planner.calibrate import Round, fit, segment_times
+from xronos.planner.plan import SEGMENTS, Plan
+from xronos.planner.profile import DeviceProfile
+from xronos.planner.solve import predict
+from xronos.train.tp import TPSession
+
+WINDOW = 8
+"""Steps in the baseline and in the recent window."""
+WARMUP = 2
+"""Steps after a plan that the baseline leaves out."""
+THRESHOLD = 0.25
+"""How far one device's compute, relative to the others', must move."""
+COOLDOWN = 3 * WINDOW
+"""Fewest steps between two moves."""
+CHECK_EVERY = 4
+"""Steps between two agreements on whether to move (one small collective)."""
+FIRST_MOVE_STEPS = 10.0
+"""A move's cost in step times, before one has been measured."""
+
+
+@dataclass
+class SpeedWatch:
+    """Each device's compute per step since the plan, and whether it changed for good."""
+
+    window: int = WINDOW
+    threshold: float = THRESHOLD
+    cooldown: int = COOLDOWN
+    steps: int = 0
+    """Steps observed since the plan."""
+    baseline: list[float] | None = None
+    recent: deque[list[float]] = field(default_factory=deque)
+    rounds: deque[Round] = field(default_factory=deque)
+
+    def observe(self, plan: Plan, times: list[dict[str, float]]) -> None:
+        """One step: every device's compute seconds per segment (rank order)."""
+        self.steps += 1
+        if self.steps <= WARMUP:
+            return
+        self.recent.append([sum(t.values()) for t in times])
+        self.rounds.append(Round(plan, times))
+        while len(self.recent) > self.window:
+            self.recent.popleft()
+            self.rounds.popleft()
+        if self.baseline is None and len(self.recent) == self.window:
+            self.baseline = _medians(self.recent)
+
+    def changed(self) -> list[float] | None:
+        """Each device's compute now over its baseline, relative to the devices' median
+        factor, when some device has moved by more than the threshold; else None."""
+        if self.baseline is None or self.steps < self.cooldown or len(self.recent) < self.window:
+            return None
+        now = _medians(self.recent)
+        factors = [n / b if b > 0 else 1.0 for n, b in zip(now, self.baseline, strict=True)]
+        middle = statistics.median(factors)
+        relative = [f / middle for f in factors]
+        return relative if max(abs(r - 1.0) for r in relative) > self.threshold else None
+
+    def restart(self) -> None:
+        """A new plan: a new baseline."""
+        self.steps, self.baseline = 0, None
+        self.recent.clear()
+        self.rounds.clear()
+
+
+def _medians(rows: deque[list[float]]) -> list[float]:
+    return [statistics.median(col) for col in zip(*rows, strict=True)]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A new plan, why, and what it should save."""
+
+    plan: Plan
+    relative: list[float]
+    now_s: float
+    """Predicted step time of the current plan at the devices' current speeds."""
+    then_s: float
+    """Predicted step time of the new plan."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.to_dict(),
+            "relative": self.relative,
+            "now_s": self.now_s,
+            "then_s": self.then_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Proposal:
+        return cls(Plan.from_dict(d["plan"]), list(d["relative"]), d["now_s"], d["then_s"])
+
+
+def propose(
+    watch: SpeedWatch,
+    profiles: list[DeviceProfile],
+    plan: Plan,
+    cfg: ModelConfig,
+    chunks: tuple[int, int],
+    steps_left: int,
+    move_s: float,
+) -> Proposal | None:
+    """The plan to move to, if a device's speed changed for good and moving pays."""
+    relative = watch.changed()
+    if relative is None:
+        return None
+    fitted = fit(profiles, list(watch.rounds))
+    new = plan_tp(cfg, fitted, mlp_chunk=chunks[0], vocab_chunk=chunks[1])
+    if all(new.split(s) == plan.split(s) for s in SEGMENTS):
+        return None
+    now_s = predict(plan, fitted)["step_time_s"]
+    then_s = predict(new, fitted)["step_time_s"]
+    if (now_s - then_s) * steps_left <= 2.0 * move_s:
+        return None
+    return Proposal(new, relative, now_s, then_s)
+
+
+def step_times(records: list[StepRecord]) -> list[dict[str, float]]:
+    """Every device's compute seconds per segment in one recorded step (rank order)."""
+    return [segment_times(r) for r in sorted(records, key=lambda r: r.rank)]
+
+
+def memory_dir() -> Path:
+    """Where moves write their checkpoint: a memory filesystem where there is one."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def move_prefix(coordinator_pid: int) -> str:
+    """The path prefix of every move's checkpoint in a run whose rank 0 has this pid."""
+    return str(memory_dir() / f"xronos-move-{coordinator_pid}-")
+
+
+def move(session: TPSession, plan: Plan, prefix: str) -> tuple[TPSession, float]:
+    """``session``'s training state under ``plan``, on the same ranks (collective); and
+    the seconds the move took."""
+    t0 = time.perf_counter()
+    where = Path(f"{prefix}{session.steps_done}")
+    session.save(where, {"move": True})
+    fresh = TPSession(session.source, plan, session.group, session.optim, session.strategy)
+    fresh.load(str(where))
+    session.close()
+    session.group.barrier()
+    if session.group.rank == 0:
+        shutil.rmtree(where, ignore_errors=True)
+    return fresh, time.perf_counter() - t0
+
+
+class Rebalancer:
+    """Watches a heterogeneous tensor-parallel run and moves it to a new plan when a
+    device's speed changes for good (every rank holds one; they agree every
+    :data:`CHECK_EVERY` steps on rank 0's proposal)."""
+
+    def __init__(
+        self,
+        session: TPSession,
+        profiles: list[DeviceProfile],
+        chunks: tuple[int, int],
+        steps: int,
+        emit: Any,
+    ) -> None:
+        self.profiles, self.chunks, self.steps, self.emit = profiles, chunks, steps, emit
+        self.watch = SpeedWatch()
+        self.move_s: float | None = None
+        # rank 0's pid names the moves' checkpoints (the coordinator's relay serves them)
+        self.prefix = move_prefix(int(session.group.gather_object(os.getpid())[0]))
+
+    def after(self, session: TPSession, records: list[StepRecord]) -> TPSession | None:
+        """Observe one step; the session to go on with when the run moved, else None
+        (collective every :data:`CHECK_EVERY` steps)."""
+        if not records:
+            return None
+        self.watch.observe(session.plan, step_times(records))
+        step = session.steps_done
+        if step % CHECK_EVERY or step >= self.steps:
+            return None
+        cost = self.move_s
+        if cost is None:
+            cost = FIRST_MOVE_STEPS * max(r.duration for r in records)
+        mine = propose(
+            self.watch,
+            self.profiles,
+            session.plan,
+            session.source.cfg,
+            self.chunks,
+            self.steps - step,
+            cost,
+        )
+        agreed = session.group.gather_object(mine.to_dict() if mine else None)[0]
+        if agreed is None:
+            return None
+        chosen = Proposal.from_dict(agreed)
+        fresh, self.move_s = move(session, chosen.plan, self.prefix)
+        self.watch.restart()
+        if session.group.rank == 0:
+            self.emit(
+                {"kind": "rebalance", "step": step, "seconds": self.move_s} | chosen.to_dict()
+            )
+        return fresh
