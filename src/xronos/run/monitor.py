@@ -295,6 +295,9 @@ class RunMonitor:
 def _event_text(e: dict[str, Any]) -> str:
     if e["event"] == "device_lost":
         return f"{e['device']} (rank {e['rank']}): {e['reason']}"
+    if e["event"] == "rebalanced":
+        speeds = ", ".join(f"×{r:.2f}" for r in e["relative"])
+        return f"compute relative to the others {speeds}; moved in {e['seconds']:.1f} s"
     return (
         f"on {', '.join(e['devices'])} ({e['strategy']}), {e['recomputed_steps']} steps done again"
     )

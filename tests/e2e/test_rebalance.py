@@ -1,0 +1,50 @@
+"""Live re-balancing as a user sees it: while nothing changes the run keeps its plan (no
+chasing noise); when another program starts on the slow device of ``ci-2dev`` mid-run
+(``--disturb``), the run moves to a new plan and completes. Behaviour only: the timings are
+benchmarks (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.test_emulation_cgroups import NO_CGROUPS
+from xronos.cli import main
+
+# the other program joins the slow device's cgroups
+pytestmark = pytest.mark.skipif(NO_CGROUPS is not None, reason=str(NO_CGROUPS))
+
+STEPS = 80
+DISTURB_AT = 36  # the steady steps before it pass the cooldown (24) and 3 agreements
+# `small` with LoRA: enough units per segment that the plan can follow the slow device (on
+# `tiny` it already holds almost nothing), and no AdamW over every weight each step
+RUN = [
+    *("--model", "small", "--no-full", "--cluster", "ci-2dev", "--strategy", "xronos"),
+    *("--batch-size", "4", "--seq-len", "32", "--train-size", "96"),
+    *("--eval-size", "0", "--warmup-steps", "2"),
+]
+
+
+def _rows(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_the_plan_stays_until_another_program_starts_on_the_slow_device(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    disturb = ["--disturb", f"slow@{DISTURB_AT}"]
+    assert main(["finetune", *RUN, "--steps", str(STEPS), *disturb, "--out", str(run)]) == 0
+    rows = _rows(run)
+    moves = [r for r in rows if r.get("event") == "rebalanced"]
+    assert len(moves) == 1, moves
+    # not while nothing changed (steps 1-36: no chasing noise), then within the window
+    # after the program started (the recent median needs half of it), before the end
+    assert DISTURB_AT < moves[0]["step"] <= DISTURB_AT + 16 < STEPS
+    fast, slow = moves[0]["relative"]
+    assert slow > 1.25 > 1 > fast  # the slow device's compute grew against the fast one's
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["devices"] == ["fast", "slow"]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, STEPS + 1))
