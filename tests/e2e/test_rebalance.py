@@ -17,8 +17,11 @@ from xronos.cli import main
 # the other program joins the slow device's cgroups
 pytestmark = pytest.mark.skipif(NO_CGROUPS is not None, reason=str(NO_CGROUPS))
 
-STEPS = 80
+STEPS = 110
 DISTURB_AT = 36  # the steady steps before it pass the cooldown (24) and 3 agreements
+# A move must pay twice its cost over the steps left: with ~60 left after the program
+# starts, the saving (about a third of a step) clears that with room; with ~35 it was
+# borderline on a busy host.
 # `small` with LoRA: enough units per segment that the plan can follow the slow device (on
 # `tiny` it already holds almost nothing), and no AdamW over every weight each step
 RUN = [
@@ -44,7 +47,7 @@ def test_the_plan_stays_until_another_program_starts_on_the_slow_device(tmp_path
     # after the program started (the recent median needs half of it), before the end
     assert DISTURB_AT < moves[0]["step"] <= DISTURB_AT + 16 < STEPS
     fast, slow = moves[0]["relative"]
-    assert slow > 1.25 > 1 > fast  # the slow device's compute grew against the fast one's
+    assert slow > 1.25 and fast < 1  # the slow device's compute grew against the fast one's
     plan = json.loads((run / "plan.json").read_text())
     assert plan["devices"] == ["fast", "slow"]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, STEPS + 1))

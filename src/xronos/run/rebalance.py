@@ -8,8 +8,9 @@ between two steps, without restarting the workers.
 **Persistent, relative, with hysteresis.** The baseline is each device's median compute
 over :data:`WINDOW` steps after the plan (the first steps, still warming up, left out);
 the recent value is the median over the last :data:`WINDOW` steps, so a spike of a few
-steps moves nothing. Only a change of one device *relative to the others* counts — a host
-that slows every device alike leaves the best split as it is — and only by more than
+steps moves nothing. Only a change of one device *relative to the others* counts (its
+factor, now over baseline, against the median factor of the other devices) — a host that
+slows every device alike leaves the best split as it is — and only by more than
 :data:`THRESHOLD`. After a move the baseline starts again, and the next move waits at
 least :data:`COOLDOWN` steps.
 
@@ -88,14 +89,16 @@ class SpeedWatch:
             self.baseline = _medians(self.recent)
 
     def changed(self) -> list[float] | None:
-        """Each device's compute now over its baseline, relative to the devices' median
-        factor, when some device has moved by more than the threshold; else None."""
+        """Each device's factor (compute now over its baseline) relative to the median factor
+        of the other devices, when some device has moved by more than the threshold; else
+        None."""
         if self.baseline is None or self.steps < self.cooldown or len(self.recent) < self.window:
             return None
         now = _medians(self.recent)
         factors = [n / b if b > 0 else 1.0 for n, b in zip(now, self.baseline, strict=True)]
-        middle = statistics.median(factors)
-        relative = [f / middle for f in factors]
+        relative = [
+            f / statistics.median(factors[:i] + factors[i + 1 :]) for i, f in enumerate(factors)
+        ]
         return relative if max(abs(r - 1.0) for r in relative) > self.threshold else None
 
     def restart(self) -> None:
