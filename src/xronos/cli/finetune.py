@@ -12,7 +12,7 @@ import sys
 import typing
 from typing import Any
 
-from xronos.runconfig import RunConfig, build_config, config_fields, field_docs, load_toml
+from xronos.runconfig import RunConfig, config_fields, field_docs
 
 
 def register(sub: Any) -> None:
@@ -53,14 +53,10 @@ def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field[Any], hint: Any, 
 def run(args: argparse.Namespace) -> int:
     from xronos.run.elastic import launch_elastic
     from xronos.run.monitor import RunMonitor
-    from xronos.run.prepare import accuracy, prepare, resume_job, saved_config, write_config
+    from xronos.run.prepare import accuracy, prepare_run, write_config
 
     flags = {f.name: getattr(args, f.name) for f in config_fields()}
-    base = load_toml(args.config) if args.config else {}
-    if flags.get("resume"):
-        base = saved_config(flags["resume"]) | base
-    cfg = build_config(base, flags)
-    prep = resume_job(cfg) if cfg.resume else prepare(cfg)
+    prep = prepare_run(flags, args.config)
     cfg = prep.cfg  # with the default model and its settings filled in
     for line in prep.notes:
         print(line)

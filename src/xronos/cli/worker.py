@@ -35,7 +35,6 @@ import re
 import signal
 import socket
 import traceback
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from xronos.emulation import ClusterSpec, DeviceSpec
     from xronos.run.coordinator import share_job
     from xronos.run.monitor import RunMonitor
-    from xronos.run.prepare import accuracy, prepare, resume_job, saved_config, write_config
+    from xronos.run.prepare import accuracy, prepare_run, write_config
     from xronos.run.worker import finetune_worker, request_stop
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -170,15 +169,11 @@ def run(args: argparse.Namespace) -> int:
         cluster = ClusterSpec(name="torchrun", devices=devices)
 
         def make() -> Any:  # on the coordinator: the finetune options, as `finetune` reads them
-            base = load_toml(args.config) if args.config else {}
-            asked = dict(flags)
-            out = build_config(base, flags).out
+            asked = flags | {"emulate": False}  # the machines are real
+            out = build_config(load_toml(args.config) if args.config else {}, flags).out
             if restarted and not asked.get("resume") and out and latest_checkpoint(out):
                 asked["resume"] = out  # torchrun restarted the job: continue where it was
-            if asked.get("resume"):
-                base = saved_config(str(asked["resume"])) | base
-            cfg = replace(build_config(base, asked), emulate=False)
-            prep = resume_job(cfg, cluster) if cfg.resume else prepare(cfg, cluster=cluster)
+            prep = prepare_run(asked, args.config, cluster)
             write_config(prep)
             for line in prep.notes:
                 print(line)

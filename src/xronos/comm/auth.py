@@ -355,9 +355,9 @@ def join_torchrun_group(
         join_timeout_s,
     )
     joining_store = dist.PrefixStore(f"xronos/join/{round_id}", store)
-    join = Join(joining_store, rank, world_size, device, secret, join_timeout_s)
-    join.coordinator = order[0]
-    admit(join)
+    admit(
+        Join(joining_store, rank, world_size, device, secret, join_timeout_s, coordinator=order[0])
+    )
     ours = order.index(rank)
     try:
         dist.init_process_group(

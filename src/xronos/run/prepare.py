@@ -39,7 +39,13 @@ from xronos.profiler.run import load_cached, profile_key
 from xronos.run.launch import DEFAULT_CPU_PERIOD_US, fastest_device, measurement_context
 from xronos.run.sessions import ProfileSource, SessionSpec
 from xronos.run.worker import FinetuneJob, finetune_worker
-from xronos.runconfig import BASE_DTYPES, RunConfig, resolve_default_model
+from xronos.runconfig import (
+    BASE_DTYPES,
+    RunConfig,
+    build_config,
+    load_toml,
+    resolve_default_model,
+)
 from xronos.train.batches import DatasetBatches
 from xronos.train.optim import OptimConfig
 from xronos.train.session import EvalSpec, Strategy
@@ -260,6 +266,19 @@ def saved_config(run_dir: str) -> dict[str, Any]:
     except (json.JSONDecodeError, KeyError) as e:
         raise UserError(f"--resume {run_dir}: unreadable config.json ({e})") from None
     return {k: v for k, v in saved.items() if k not in ("resume", "out")} | {"out": run_dir}
+
+
+def prepare_run(
+    flags: dict[str, Any], config: str | None, cluster: ClusterSpec | None = None
+) -> Prepared:
+    """The finetune options as the command line gives them — defaults < the ``--config``
+    TOML < a resumed run's own settings < flags — checked and prepared (``--resume``: from
+    the run's newest checkpoint). ``cluster`` overrides the configured cluster."""
+    base = load_toml(config) if config else {}
+    if flags.get("resume"):
+        base = saved_config(str(flags["resume"])) | base
+    cfg = build_config(base, flags)
+    return resume_job(cfg, cluster) if cfg.resume else prepare(cfg, cluster=cluster)
 
 
 def resume_job(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:

@@ -34,6 +34,7 @@ import statistics
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,7 +203,7 @@ class Rebalancer:
         profiles: list[DeviceProfile],
         chunks: tuple[int, int],
         steps: int,
-        emit: Any,
+        emit: Callable[[dict[str, Any]], None],
     ) -> None:
         self.profiles, self.chunks, self.steps, self.emit = profiles, chunks, steps, emit
         self.watch = SpeedWatch()

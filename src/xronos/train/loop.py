@@ -98,8 +98,6 @@ class LoopResult:
     """Ended by a stop request before ``steps``."""
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
-    session: Session | None = None
-    """The session that trained last (another than the one given after a swap)."""
 
 
 def train_loop(
@@ -113,8 +111,8 @@ def train_loop(
 ) -> LoopResult:
     """Train ``session`` until it has done ``steps`` steps, or ``on_step`` returns True.
     ``swap`` may return another session (the same training state under another plan) to
-    go on with from the next step; ``LoopResult.session`` is the last one."""
-    out = LoopResult(steps=session.steps_done, session=session)
+    go on with from the next step."""
+    out = LoopResult(steps=session.steps_done)
     while session.steps_done < steps:
         outcome = run_step(session, data.next_step(), group, recorder)
         out.steps = outcome.step
@@ -124,5 +122,5 @@ def train_loop(
             out.stopped = outcome.step < steps
             break
         if swap is not None and (fresh := swap(session, outcome)) is not None:
-            session = out.session = fresh
+            session = fresh
     return out
