@@ -150,6 +150,12 @@ class RunConfig:
     disturb: str | None = None
     """Emulation: at step N another program starts on DEVICE (DEVICE@N, e.g. slow@40): a
     CPU-bound process joins the device's cgroups and CPUs until the run ends."""
+    leave: str | None = None
+    """Emulation: after step N DEVICE is switched off (DEVICE@N, e.g. slow@40): its worker
+    is killed with SIGKILL, as by a power cut."""
+    rejoin: str | None = None
+    """Emulation: after step N a device the run lost comes back (DEVICE@N, as
+    `xronos join RUN_DIR DEVICE` would ask)."""
     rebalance: bool = True
     """Re-plan live when a device's speed changes for good (another program starts on it,
     it throttles) and move the units between two steps, when the move pays for itself

@@ -105,6 +105,14 @@ def _stop(proc: subprocess.Popen[str], stopped: int | None) -> None:
             os.kill(stopped, signal.SIGKILL)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """Each step's loss in the same run with no device lost."""
+    whole = tmp_path_factory.mktemp("whole") / "run"
+    assert main(["finetune", *RUN, "--out", str(whole)]) == 0
+    return {r["step"]: r["loss"] for r in _rows(whole) if "loss" in r}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("how", "extra"),
@@ -116,9 +124,9 @@ def _stop(proc: subprocess.Popen[str], stopped: int | None) -> None:
     ids=["killed", "silent"],
 )
 def test_the_survivor_carries_on_from_the_checkpoint(
-    tmp_path: Path, how: int, extra: list[str]
+    tmp_path: Path, how: int, extra: list[str], uninterrupted: dict[int, float]
 ) -> None:
-    run, whole = tmp_path / "lost", tmp_path / "whole"
+    run = tmp_path / "lost"
     proc = _start(run, *extra)
     pid = None
     try:
@@ -150,8 +158,7 @@ def test_the_survivor_carries_on_from_the_checkpoint(
     assert "device lost" in (run / "summary.md").read_text()
 
     # the uninterrupted run: the same losses before the loss and after the resumption
-    assert main(["finetune", *RUN, "--out", str(whole)]) == 0
-    want = {r["step"]: r["loss"] for r in _rows(whole) if "loss" in r}
+    want = uninterrupted
     before = {r["step"]: r["loss"] for r in rows[: rows.index(lost)] if "loss" in r}
     for step, loss in [*before.items(), *got.items()]:
         assert loss == pytest.approx(want[step], rel=LOSS_RTOL), step
@@ -171,3 +178,41 @@ def test_no_elastic_stops_with_one_line(tmp_path: Path) -> None:
     last = err.strip().splitlines()[-1]
     assert last == "xronos: error: device 'slow' (rank 1) died: killed by SIGKILL", err
     assert not [r for r in _rows(run) if r.get("event") == "resumed"]
+
+
+@pytest.mark.slow
+def test_a_lost_device_comes_back_into_the_plan(
+    tmp_path: Path, uninterrupted: dict[int, float], capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "back"
+    # switched off after step 6 (the checkpoint of step 4 exists), back after step 14
+    script = ["--leave", f"slow@{KILL_AFTER}", "--rejoin", "slow@14"]
+    assert main(["finetune", *RUN, "--out", str(run), *script]) == 0
+    out = capsys.readouterr().out
+    assert "back after step" in out, out
+
+    rows = _rows(run)
+    events = [r for r in rows if "event" in r]
+    kinds = [e["event"] for e in events]
+    assert kinds == ["device_lost", "resumed", "device_joined", "resumed"], events
+    lost, alone, joined, together = events
+    assert lost["device"] == "slow" and lost["reason"].startswith("died: killed by SIGKILL")
+    assert alone["devices"] == ["fast"] and alone["strategy"] == "single"
+    # taken back after the step in flight when it asked, from the checkpoint written then:
+    # nothing to do again
+    assert joined["device"] == "slow" and joined["step"] >= 14
+    assert together["step"] == joined["step"] and together["recomputed_steps"] == 0
+    assert together["devices"] == ["fast", "slow"] and together["strategy"] == "tp-even"
+
+    after = rows[rows.index(together) + 1 :]
+    got = {r["step"]: r["loss"] for r in after if "loss" in r}
+    assert sorted(got) == list(range(joined["step"] + 1, STEPS + 1))
+    table = json.loads((run / "devices.json").read_text())
+    assert [(d["name"], d["rank"]) for d in table["devices"]] == [("fast", 0), ("slow", 1)]
+    assert table["lost"] == []
+    assert not list((run / "join").iterdir())  # the request was taken
+    assert "device joined" in (run / "summary.md").read_text()
+    # alone and together again, the same training as the run that lost nothing
+    final = {r["step"]: r["loss"] for r in rows if "loss" in r}  # the last of each step
+    for step, loss in final.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=LOSS_RTOL), step

@@ -41,12 +41,16 @@ def test_the_plan_stays_until_another_program_starts_on_the_slow_device(tmp_path
     disturb = ["--disturb", f"slow@{DISTURB_AT}"]
     assert main(["finetune", *RUN, "--steps", str(STEPS), *disturb, "--out", str(run)]) == 0
     rows = _rows(run)
-    moves = [r for r in rows if r.get("event") == "rebalanced"]
+    moves = [r for r in rows if r.get("event") == "replan"]
     assert len(moves) == 1, moves
     # not while nothing changed (steps 1-36: no chasing noise), then within the window
     # after the program started (the recent median needs half of it), before the end
     assert DISTURB_AT < moves[0]["step"] <= DISTURB_AT + 16 < STEPS
-    fast, slow = moves[0]["relative"]
+    move = moves[0]
+    assert move["before"] != move["after"] and move["move_s"] > 0
+    assert move["predicted_gain_s"] > 0  # the new plan is predicted faster over the steps left
+    assert "slow" in move["reason"]
+    fast, slow = move["relative"]
     assert slow > 1.25 and fast < 1  # the slow device's compute grew against the fast one's
     plan = json.loads((run / "plan.json").read_text())
     assert plan["devices"] == ["fast", "slow"]

@@ -4,6 +4,7 @@ events in metrics.jsonl, and the errors when no one can carry on."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +17,7 @@ from xronos.errors import DeviceLost, UserError
 from xronos.planner.plan import Plan, default_mlp_chunk, default_vocab_chunk
 from xronos.profiler.measure import Shape
 from xronos.run import elastic
+from xronos.run.membership import request_join
 from xronos.run.monitor import RunMonitor
 from xronos.run.sessions import SessionSpec
 from xronos.train.optim import OptimConfig
@@ -66,7 +68,10 @@ def test_one_survivor_runs_alone(memory: int | None, want: Strategy) -> None:
 
 def _prep(tmp_path: Path, *names: str, elastic_on: bool = True) -> Any:
     return SimpleNamespace(
-        cfg=SimpleNamespace(elastic=elastic_on), cluster=_cluster(*names), run_dir=tmp_path
+        cfg=SimpleNamespace(elastic=elastic_on),
+        cluster=_cluster(*names),
+        run_dir=tmp_path,
+        job=SimpleNamespace(session=_spec(Strategy.XRONOS)),
     )
 
 
@@ -75,11 +80,17 @@ def _events(run: Path) -> list[dict[str, Any]]:
     return [r for r in rows if "event" in r]
 
 
-def _script(monkeypatch: pytest.MonkeyPatch, outcomes: list[BaseException | str]) -> None:
-    """launch_job gives ``outcomes`` in turn; a survivor's job resumes from step 4."""
+def _script(
+    monkeypatch: pytest.MonkeyPatch,
+    outcomes: list[BaseException | str],
+    monitor: RunMonitor | None = None,
+) -> None:
+    """launch_job gives ``outcomes`` in turn (``"join"``: a lost device asks to come back
+    after a step; the workers stop); a survivor's job resumes from step 4, a job with a
+    device back from step 9."""
     calls = iter(outcomes)
 
-    def launch_job(prep: Any, on_event: Any) -> list[Any]:
+    def launch_job(prep: Any, on_event: Any, stop_when: Any, lost: Any) -> list[Any]:
         out = next(calls)
         if isinstance(out, BaseException):
             raise out
@@ -94,14 +105,27 @@ def _script(monkeypatch: pytest.MonkeyPatch, outcomes: list[BaseException | str]
                 "given": True,
             },
         )
+        if out == "join":
+            assert lost == ["slow"] and not stop_when()  # nothing asked yet
+            request_join(prep.run_dir, "slow")
+            assert not stop_when()  # no step done yet by these workers: not safe to stop
+            assert monitor is not None
+            monitor.last_step += 1  # a step done
+            assert stop_when()
+            return [SimpleNamespace(stopped=True)]
         return [out]
 
     def survivors(prep: Any, rank: int, known: Any) -> tuple[Any, int]:
         devices = tuple(d for r, d in enumerate(prep.cluster.devices) if r != rank)
         return SimpleNamespace(**{**vars(prep), "cluster": ClusterSpec("test", devices)}), 4
 
+    def rejoined(first: Any, prep: Any, back: list[str]) -> tuple[Any, int]:
+        assert back == ["slow"]
+        return first, 9
+
     monkeypatch.setattr(elastic, "launch_job", launch_job)
     monkeypatch.setattr(elastic, "survivors", survivors)
+    monkeypatch.setattr(elastic, "rejoined", rejoined)
     monkeypatch.setattr(elastic, "known_profiles", lambda prep, monitor: {})
 
 
@@ -109,6 +133,25 @@ def _monitor(run: Path, last_step: int) -> RunMonitor:
     monitor = RunMonitor(run, 10, lambda generated: None)
     monitor.last_step = last_step
     return monitor
+
+
+def test_a_lost_device_that_asks_back_is_taken_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    monitor = _monitor(tmp_path, 7)
+    lost = DeviceLost("slow", 1, "died: killed by SIGKILL")
+    _script(monkeypatch, [lost, "join", "done"], monitor)
+    # request_join looks for a live worker in devices.json: this process stands for one
+    rows = [{"name": "fast", "rank": 0, "pid": os.getpid()}]
+    (tmp_path / "devices.json").write_text(json.dumps({"devices": rows, "lost": ["slow"]}))
+    results, prep = elastic.launch_elastic(_prep(tmp_path, "fast", "slow"), monitor)
+    assert results == ["done"] and [d.name for d in prep.cluster.devices] == ["fast", "slow"]
+    kinds = [(e["event"], e["step"]) for e in _events(tmp_path)]
+    assert kinds == [("device_lost", 7), ("resumed", 4), ("device_joined", 9), ("resumed", 9)]
+    joined, resumed = _events(tmp_path)[2:]
+    assert joined["device"] == "slow" and resumed["recomputed_steps"] == 0
+    assert not list((tmp_path / "join").iterdir())  # the request was taken
 
 
 def test_events_of_a_loss_and_the_resumption(

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from xronos import __version__
 from xronos.errors import UserError, WorkerError
 
-COMMANDS = ("finetune", "generate", "profile", "plan", "bench", "export", "worker")
+COMMANDS = ("finetune", "generate", "profile", "plan", "bench", "export", "worker", "join")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from xronos.run.elastic import launch_elastic
     from xronos.run.monitor import RunMonitor
     from xronos.run.prepare import accuracy, prepare_run, write_config
+    from xronos.run.scripted import Script
 
     flags = {f.name: getattr(args, f.name) for f in config_fields()}
     prep = prepare_run(flags, args.config)
@@ -65,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
         f"{'LoRA r=' + str(prep.source.lora.r) if prep.source.lora else 'full fine-tuning'}; "
         f"strategy {cfg.strategy}; {prep.job.steps} steps; run directory {prep.run_dir}"
     )
+    names = [d.name for d in prep.cluster.devices]
+    # --disturb, --leave, --rejoin: checked before anything is written
+    script = Script(cfg, prep.run_dir, names, lambda line: monitor.say(line))
     write_config(prep)
     monitor = RunMonitor(
         prep.run_dir,
@@ -72,21 +76,14 @@ def run(args: argparse.Namespace) -> int:
         lambda generated: accuracy(prep.tokenizer, generated, prep.eval_refs),
         tensorboard=cfg.tensorboard,
     )
-    intruder = None
-    if cfg.disturb:
-        from xronos.emulation.intruder import Intruder
-
-        names = [d.name for d in prep.cluster.devices]
-        intruder = Intruder.parse(cfg.disturb, prep.run_dir, names)
-        monitor.step_hooks.append(intruder.on_step)
+    monitor.step_hooks.append(script.on_step)
     try:
         results, prep = launch_elastic(prep, monitor)
     except KeyboardInterrupt:
         monitor.finish(monitor.losses[-1][0] if monitor.losses else 0)
         raise
     finally:
-        if intruder is not None:
-            intruder.stop()
+        script.stop()
     result = results[0]
     summary = monitor.finish(result.step)
     if monitor.measured and not prep.job.profiles.cached:  # the next run skips profiling

@@ -55,7 +55,17 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="TOML file with the finetune options ([finetune] table)")
-    skip = ("cluster", "emulate", "network", "bandwidth", "latency", "elastic", "disturb")
+    skip = (
+        "cluster",
+        "emulate",
+        "network",
+        "bandwidth",
+        "latency",
+        "elastic",
+        "disturb",
+        "leave",
+        "rejoin",
+    )
     add_config_flags(p, skip=skip)
     p.add_argument(
         "--token-file",

@@ -174,6 +174,7 @@ def launch(
     on_start: Callable[[int, int], None] | None = None,
     on_event: Callable[[int, dict[str, Any]], None] | None = None,
     stop_signal: int | None = None,
+    stop_when: Callable[[], bool] | None = None,
     latency_s: Sequence[float] | None = None,
     bandwidth_bps: Sequence[float | None] | None = None,
 ) -> list[Any]:
@@ -191,6 +192,8 @@ def launch(
         stop_signal: on the first Ctrl-C, send this signal to every worker and keep
             collecting (workers that handle it stop cleanly, e.g. after a checkpoint); a
             second Ctrl-C stops them at once. None: the first Ctrl-C stops them at once.
+        stop_when: polled while the workers run (after each event, and five times a
+            second); once it returns True, ``stop_signal`` is sent as for a Ctrl-C.
         latency_s: one-way latency of each device's link, rank order, added to every
             message in the communication layer (:mod:`xronos.comm.links`); None: none.
         bandwidth_bps: rate (bit/s) of each device's link, rank order (None entries:
@@ -247,7 +250,7 @@ def launch(
             procs.append(p)
             if on_start is not None and p.pid is not None:
                 on_start(rank, p.pid)
-        return _collect(procs, results, devices, on_event, stop_signal, timeout_s)
+        return _collect(procs, results, devices, on_event, stop_signal, timeout_s, stop_when)
     finally:
         _stop_all(procs)
         results.close()
@@ -261,9 +264,19 @@ def _collect(
     on_event: Callable[[int, dict[str, Any]], None] | None,
     stop_signal: int | None = None,
     timeout_s: float = 120.0,
+    stop_when: Callable[[], bool] | None = None,
 ) -> list[Any]:
     out: dict[int, Any] = {}
+
+    def send_stop(sig: int) -> None:
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, sig)
+
     while len(out) < len(procs):
+        if stop_signal is not None and stop_when is not None and stop_when():
+            send_stop(stop_signal)
+            stop_signal = None
         try:
             kind, rank, payload = results.get(timeout=0.2)
         except KeyboardInterrupt:
@@ -272,9 +285,7 @@ def _collect(
             print(
                 "xronos: stopping at the end of this step (Ctrl-C again to abort)", file=sys.stderr
             )
-            for p in procs:
-                if p.is_alive() and p.pid is not None:
-                    os.kill(p.pid, stop_signal)
+            send_stop(stop_signal)
             stop_signal = None
             continue
         except queue.Empty:

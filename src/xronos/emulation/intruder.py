@@ -27,18 +27,6 @@ class Intruder:
         self.run_dir, self.device, self.step, self.say = Path(run_dir), device, step, say
         self.proc: subprocess.Popen[bytes] | None = None
 
-    @classmethod
-    def parse(cls, text: str, run_dir: str | Path, devices: list[str]) -> Intruder:
-        """``DEVICE@STEP`` (e.g. ``slow@40``), or one line naming the mistake."""
-        name, _, step = text.partition("@")
-        if not step.isdigit() or int(step) < 1:
-            raise UserError(f"--disturb {text!r}: give DEVICE@STEP, e.g. slow@40")
-        if name not in devices:
-            raise UserError(
-                f"--disturb {text!r}: no device {name!r}; the cluster has {', '.join(devices)}"
-            )
-        return cls(run_dir, name, int(step))
-
     def on_step(self, step: int) -> None:
         if self.proc is None and step >= self.step:
             self.start(step)

@@ -16,6 +16,13 @@ The strategy stays what it was, planned anew over the survivors (``auto`` may no
 ``single``); one survivor runs ``single`` (``auto`` when it has a memory cap, so that a
 model it cannot hold stops with one line). Pipeline checkpoints hold no optimizer state:
 a pipeline starts over from step 0. Each loss takes one device away, so this ends.
+
+A lost device that asks to come back (``xronos join RUN_DIR DEVICE``) is taken back at
+the end of the step in flight: the workers stop with a checkpoint, and the job starts
+again on its devices plus the returning ones — all profiled anew (the returning device
+may have changed), planned anew with the run's first strategy, from that checkpoint
+(``device_joined``, then ``resumed`` with no step to do again). A pipeline run takes no
+device back.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from xronos.emulation import ClusterSpec
 from xronos.errors import DeviceLost, UserError
 from xronos.planner.plan import Plan
 from xronos.planner.profile import DeviceProfile
+from xronos.run.membership import JoinWatch
 from xronos.run.monitor import RunMonitor
 from xronos.run.prepare import Prepared, launch_job
 from xronos.run.sessions import SessionSpec
@@ -37,16 +45,27 @@ from xronos.train.session import Strategy
 
 def launch_elastic(prep: Prepared, monitor: RunMonitor) -> tuple[list[Any], Prepared]:
     """:func:`~xronos.run.prepare.launch_job`, carrying on without each device that is
-    lost (unless ``--no-elastic``); returns the workers' results and the job that ran last.
+    lost (unless ``--no-elastic``) and taking back each lost device that asks to join
+    (:mod:`xronos.run.membership`); returns the workers' results and the job that ran last.
 
     Raises:
         DeviceLost: with ``--no-elastic``, or when no device is left.
         UserError: the survivors cannot run the job (memory), or a mistake in the input.
     """
-    lost: list[str] = []
+    first, lost = prep, []
+    joins = JoinWatch(prep.run_dir, monitor.say)
     while True:
+        joins.asked = False
+
+        def stop_when(
+            pipeline: bool = prep.job.session.strategy.is_pipeline, began: int = monitor.last_step
+        ) -> bool:
+            # once a step is done every worker handles the stop signal; a pipeline's
+            # checkpoints hold no optimizer state: it takes no device back
+            return not pipeline and monitor.last_step > began and joins.ask()
+
         try:
-            return launch_job(prep, monitor.on_event), prep
+            results = launch_job(prep, monitor.on_event, stop_when, lost=joins.lost)
         except DeviceLost as e:
             if not prep.cfg.elastic:
                 raise
@@ -55,8 +74,10 @@ def launch_elastic(prep: Prepared, monitor: RunMonitor) -> tuple[list[Any], Prep
                 why = f"{e.reason}; no device is left"
                 raise DeviceLost(e.device, e.rank, why, e.details) from None
             lost.append(e.device)
+            joins.lost.append(e.device)
             prep, start = survivors(prep, e.rank, known_profiles(prep, monitor))
             monitor.resuming(start, step)
+            continue
         except UserError as e:
             if not lost:
                 raise
@@ -64,6 +85,11 @@ def launch_elastic(prep: Prepared, monitor: RunMonitor) -> tuple[list[Any], Prep
                 f"after losing {', '.join(repr(d) for d in lost)}, the remaining devices "
                 f"cannot carry on: {e}"
             ) from None
+        if not (joins.asked and results[0].stopped):
+            return results, prep
+        back = joins.take()
+        prep, start = rejoined(first, prep, back)
+        monitor.joined(back, start)
 
 
 def known_profiles(prep: Prepared, monitor: RunMonitor) -> dict[str, DeviceProfile]:
@@ -81,17 +107,36 @@ def survivors(
 ) -> tuple[Prepared, int]:
     """The job of ``prep`` on every device but ``lost_rank``, from the newest checkpoint
     it can resume, and that checkpoint's step (0: none, start over)."""
-    devices = tuple(d for r, d in enumerate(prep.cluster.devices) if r != lost_rank)
     keep = [r for r in range(prep.cluster.world_size) if r != lost_rank]
-    cluster = ClusterSpec(prep.cluster.name, devices)
-    spec = survivor_spec(prep.job.session, cluster)
+    cached = [known.get(prep.cluster.devices[r].name) for r in keep]
+    profiles = tuple(p for p in cached if p is not None) if all(cached) else None
+    return on_devices(prep, prep, keep, profiles)
+
+
+def rejoined(first: Prepared, prep: Prepared, back: list[str]) -> tuple[Prepared, int]:
+    """The job of ``prep`` with the devices ``back`` (lost earlier, asking to join) taken
+    back — in ``first``'s cluster order, with ``first``'s strategy, every device profiled
+    anew (one that comes back may not be the one that left) — from the checkpoint the
+    workers just wrote; and that checkpoint's step."""
+    names = {d.name for d in prep.cluster.devices} | set(back)
+    keep = [r for r, d in enumerate(first.cluster.devices) if d.name in names]
+    return on_devices(first, prep, keep, None)
+
+
+def on_devices(
+    base: Prepared, prep: Prepared, keep: list[int], cached: tuple[DeviceProfile, ...] | None
+) -> tuple[Prepared, int]:
+    """``prep``'s job on ``base``'s devices ``keep`` (their ranks in ``base``), ``base``'s
+    strategy planned anew over them, from the newest checkpoint it can resume; and that
+    checkpoint's step (0: none, start over). ``cached``: their profiles, None to measure."""
+    cluster = ClusterSpec(base.cluster.name, tuple(base.cluster.devices[r] for r in keep))
+    spec = survivor_spec(base.job.session, cluster)
     ckpt = None if spec.strategy.is_pipeline else resumable(prep.run_dir)
-    cached = [known.get(d.name) for d in devices]
     profiles = replace(
-        prep.job.profiles,
-        memory_caps=tuple(prep.job.profiles.memory_caps[r] for r in keep),
-        keys=tuple(prep.job.profiles.keys[r] for r in keep),
-        cached=tuple(p for p in cached if p is not None) if all(cached) else None,
+        base.job.profiles,
+        memory_caps=tuple(base.job.profiles.memory_caps[r] for r in keep),
+        keys=tuple(base.job.profiles.keys[r] for r in keep),
+        cached=cached,
     )
     job = replace(
         prep.job,

@@ -88,9 +88,11 @@ def run_on_cluster(
     cpu_limit: str = "auto",
     on_event: Callable[[int, dict[str, Any]], None] | None = None,
     stop_signal: int | None = None,
+    stop_when: Callable[[], bool] | None = None,
     report: Callable[[str], None] | None = None,
     emulation: dict[str, Any] | None = None,
     devices_file: Path | None = None,
+    lost: Sequence[str] = (),
 ) -> list[Any]:
     """``fn(ctx, args[rank])`` on one process per device of ``cluster``.
 
@@ -105,11 +107,13 @@ def run_on_cluster(
     the communication layer instead (reported).
     ``devices_file`` (a run's ``devices.json``) lists, for operators and for tests that
     load or kill a device from outside, each device's name, rank, worker pid, CPUs and
-    cgroup directories (empty when not emulated); it is rewritten as each worker starts.
+    cgroup directories (empty when not emulated), and under ``lost`` the devices the run
+    lost (that ``xronos join`` may bring back); it is rewritten as each worker starts.
+    ``stop_signal`` and ``stop_when``: see :func:`xronos.comm.launch.launch`.
     """
     devices = [d.name for d in cluster.devices]
     say = report or (lambda line: print(line, file=sys.stderr))
-    table = DevicesFile(devices_file, devices)
+    table = DevicesFile(devices_file, devices, lost)
     if not emulate:
         if network:
             raise UserError(
@@ -126,6 +130,7 @@ def run_on_cluster(
             on_start=table.started,
             on_event=on_event,
             stop_signal=stop_signal,
+            stop_when=stop_when,
         )
     wanted = cluster.has_links if network is None else network
     with Emulator(
@@ -154,17 +159,19 @@ def run_on_cluster(
             on_start=table.watching(emu),
             on_event=on_event,
             stop_signal=stop_signal,
+            stop_when=stop_when,
             latency_s=emu.comm_latencies(),
             bandwidth_bps=emu.links.comm_bandwidths(),
         )
 
 
 class DevicesFile:
-    """``devices.json``: ``{"devices": [{"name", "rank", "pid", "cpus", "cgroups"}, …]}``,
-    written atomically each time a worker starts (nothing when no path is given)."""
+    """``devices.json``: ``{"devices": [{"name", "rank", "pid", "cpus", "cgroups"}, …],
+    "lost": [names]}``, written atomically each time a worker starts (nothing when no path
+    is given)."""
 
-    def __init__(self, path: Path | None, names: Sequence[str]) -> None:
-        self.path = path
+    def __init__(self, path: Path | None, names: Sequence[str], lost: Sequence[str] = ()) -> None:
+        self.path, self.lost = path, list(lost)
         self.rows: list[dict[str, Any]] = [
             {"name": n, "rank": r, "pid": None, "cpus": [], "cgroups": []}
             for r, n in enumerate(names)
@@ -191,4 +198,6 @@ class DevicesFile:
     def _write(self) -> None:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.path, json.dumps({"devices": self.rows}, indent=2))
+            atomic_write_text(
+                self.path, json.dumps({"devices": self.rows, "lost": self.lost}, indent=2)
+            )

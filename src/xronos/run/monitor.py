@@ -1,8 +1,9 @@
 """What a fine-tuning run shows and leaves behind: progress, metrics.jsonl, the summary.
 
 ``RunMonitor.on_event`` receives rank 0's events (plan, step, eval, checkpoint); the
-launcher reports a lost device and the resumption (:meth:`RunMonitor.lost`,
-:meth:`RunMonitor.resuming`: ``{"event": ...}`` lines in ``metrics.jsonl``); at the end
+launcher reports a lost device, a returning one and the resumption (:meth:`RunMonitor.lost`,
+:meth:`RunMonitor.joined`, :meth:`RunMonitor.resuming`: ``{"event": ...}`` lines in
+``metrics.jsonl``); at the end
 ``finish`` writes ``summary.md``, ``loss.png``, ``timeline.png`` and ``trace.json``.
 """
 
@@ -60,7 +61,8 @@ class RunMonitor:
         self.last_step = 0
         """The last step reported done."""
         self.events: list[dict[str, Any]] = []
-        """``device_lost``, ``resumed`` and ``rebalanced`` events, as in ``metrics.jsonl``."""
+        """``device_lost``, ``device_joined``, ``resumed`` and ``replan`` events, as in
+        ``metrics.jsonl``."""
         self.step_hooks: list[Callable[[int], None]] = []
         """Called with each step number as it arrives (e.g. emulation that starts at a step)."""
         self._resume: dict[str, int] | None = None
@@ -105,6 +107,17 @@ class RunMonitor:
         self.losses = [(k, x) for k, x in self.losses if k <= step]
         self.last_step, self.last_t = step, None  # the restart is not a step's time
         self.idle, self.records, self.devices = [], [], []  # per device of the new plan
+
+    def joined(self, devices: list[str], step: int) -> None:
+        """Lost devices come back after ``step`` (their checkpoint): log each one; the next
+        plan is logged as ``resumed``."""
+        for name in devices:
+            self.event("device_joined", step, device=name)
+        self.say(
+            f"device{'s' if len(devices) > 1 else ''} back after step {step}: "
+            f"{', '.join(repr(d) for d in devices)}; profiling and planning again"
+        )
+        self.resuming(step, self.last_step)
 
     def _resumed(self, strategy: str, devices: list[str]) -> None:
         if self._resume is None:
@@ -160,7 +173,16 @@ class RunMonitor:
         self.plan = Plan.from_dict(ev["plan"])
         pairs = zip(self.plan.devices, ev["relative"], strict=True)
         speeds = ", ".join(f"{d} ×{r:.2f}" for d, r in pairs)
-        self.event("rebalanced", ev["step"], relative=ev["relative"], seconds=ev["seconds"])
+        self.event(
+            "replan",
+            ev["step"],
+            reason=f"compute relative to the other devices changed: {speeds}",
+            relative=ev["relative"],
+            before=ev["before"],
+            after=ev["plan"],
+            predicted_gain_s=(ev["now_s"] - ev["then_s"]) * ev["steps_left"],
+            move_s=ev["seconds"],
+        )
         self.say(
             f"step {ev['step']}: device speeds changed (compute relative to the others: "
             f"{speeds}); moved to a new plan in {ev['seconds']:.1f} s, predicted "
@@ -295,9 +317,13 @@ class RunMonitor:
 def _event_text(e: dict[str, Any]) -> str:
     if e["event"] == "device_lost":
         return f"{e['device']} (rank {e['rank']}): {e['reason']}"
-    if e["event"] == "rebalanced":
-        speeds = ", ".join(f"×{r:.2f}" for r in e["relative"])
-        return f"compute relative to the others {speeds}; moved in {e['seconds']:.1f} s"
+    if e["event"] == "device_joined":
+        return f"{e['device']} is back"
+    if e["event"] == "replan":
+        return (
+            f"{e['reason']}; moved in {e['move_s']:.1f} s, predicted to save "
+            f"{e['predicted_gain_s']:.0f} s"
+        )
     return (
         f"on {', '.join(e['devices'])} ({e['strategy']}), {e['recomputed_steps']} steps done again"
     )

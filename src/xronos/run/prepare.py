@@ -13,6 +13,7 @@ import math
 import signal
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -239,7 +240,15 @@ def accuracy(tok: Tokenizer, generated: list[list[int]], refs: list[str]) -> flo
     return smarthome.exact_match(preds, refs)
 
 
-def launch_job(prep: Prepared, on_event: Any) -> list[Any]:
+def launch_job(
+    prep: Prepared,
+    on_event: Any,
+    stop_when: Callable[[], bool] | None = None,
+    lost: Sequence[str] = (),
+) -> list[Any]:
+    """The job's workers on its cluster; their results. ``stop_when``: polled while they
+    run, True asks them to stop after the step with a checkpoint; ``lost``: the devices
+    the run lost (in ``devices.json``)."""
     from xronos.run.launch import run_on_cluster
 
     cfg = prep.cfg
@@ -252,7 +261,9 @@ def launch_job(prep: Prepared, on_event: Any) -> list[Any]:
         timeout_s=cfg.timeout,
         on_event=on_event,
         stop_signal=signal.SIGUSR1,  # finetune workers stop after the step and checkpoint
+        stop_when=stop_when,
         devices_file=prep.run_dir / "devices.json",
+        lost=lost,
     )
 
 

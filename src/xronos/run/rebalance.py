@@ -240,6 +240,13 @@ class Rebalancer:
         self.watch.restart()
         if session.group.rank == 0:
             self.emit(
-                {"kind": "rebalance", "step": step, "seconds": self.move_s} | chosen.to_dict()
+                {
+                    "kind": "rebalance",
+                    "step": step,
+                    "seconds": self.move_s,
+                    "before": session.plan.to_dict(),
+                    "steps_left": self.steps - step,
+                }
+                | chosen.to_dict()
             )
         return fresh

@@ -1,0 +1,100 @@
+"""What the devices' owners do during an emulated run, at given steps: ``--disturb``
+(another program starts on a device), ``--leave`` (a device is switched off: its worker is
+killed with SIGKILL) and ``--rejoin`` (a lost device comes back, as ``xronos join`` asks).
+Each acts from outside the workers, as its real counterpart would, through the run's
+``devices.json``; each acts once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+from xronos.emulation.intruder import Intruder
+from xronos.errors import UserError
+from xronos.run.membership import read_devices, request_join
+from xronos.runconfig import RunConfig
+
+
+def parse_at(flag: str, text: str, devices: list[str]) -> tuple[str, int]:
+    """``DEVICE@STEP`` (e.g. ``slow@40``), or one line naming the mistake."""
+    name, _, step = text.partition("@")
+    if not step.isdigit() or int(step) < 1:
+        raise UserError(f"{flag} {text!r}: give DEVICE@STEP, e.g. slow@40")
+    if name not in devices:
+        raise UserError(
+            f"{flag} {text!r}: no device {name!r}; the cluster has {', '.join(devices)}"
+        )
+    return name, int(step)
+
+
+class AtStep:
+    """Something done once, from the first step report at or after ``step``."""
+
+    def __init__(self, run_dir: Path, device: str, step: int, say: Callable[[str], None]) -> None:
+        self.run_dir, self.device, self.step, self.say = run_dir, device, step, say
+        self.done = False
+
+    def on_step(self, step: int) -> None:
+        if not self.done and step >= self.step:
+            self.done = self.act(step)
+
+    def act(self, step: int) -> bool:
+        """Do it; whether it was done (False: try again at the next step)."""
+        raise NotImplementedError
+
+
+class Leave(AtStep):
+    """Kills the device's worker (SIGKILL), as a power cut would."""
+
+    def act(self, step: int) -> bool:
+        for row in read_devices(self.run_dir).get("devices", []):
+            if row.get("name") == self.device and isinstance(row.get("pid"), int):
+                self.say(f"step {step}: '{self.device}' switched off (worker {row['pid']} killed)")
+                with contextlib.suppress(ProcessLookupError):  # it died by itself
+                    os.kill(row["pid"], signal.SIGKILL)
+                return True
+        return False
+
+
+class Rejoin(AtStep):
+    """Asks for the device back, once the run has lost it."""
+
+    def act(self, step: int) -> bool:
+        if self.device not in read_devices(self.run_dir).get("lost", []):
+            return False
+        request_join(self.run_dir, self.device)
+        self.say(f"step {step}: '{self.device}' is back and asks to join")
+        return True
+
+
+class Script:
+    """The scripted happenings of a run (``on_step`` for the monitor's step hooks)."""
+
+    def __init__(
+        self, cfg: RunConfig, run_dir: Path, devices: list[str], say: Callable[[str], None]
+    ):
+        self.hooks: list[Callable[[int], None]] = []
+        self.intruder: Intruder | None = None
+        if cfg.disturb:
+            name, step = parse_at("--disturb", cfg.disturb, devices)
+            self.intruder = Intruder(run_dir, name, step, say)
+            self.hooks.append(self.intruder.on_step)
+        if cfg.leave:
+            self.hooks.append(Leave(run_dir, *parse_at("--leave", cfg.leave, devices), say).on_step)
+        if cfg.rejoin:
+            if not cfg.elastic:
+                raise UserError("--rejoin needs an elastic run; drop --no-elastic")
+            name, step = parse_at("--rejoin", cfg.rejoin, devices)
+            self.hooks.append(Rejoin(run_dir, name, step, say).on_step)
+
+    def on_step(self, step: int) -> None:
+        for hook in self.hooks:
+            hook(step)
+
+    def stop(self) -> None:
+        if self.intruder is not None:
+            self.intruder.stop()
