@@ -22,7 +22,9 @@ from tests.e2e.agents import free_port
 from tests.e2e.test_torchrun_coordinator import TOKEN, _data
 from tests.hf_models import make_checkpoint, save_word_tokenizer
 
-STEPS = 600
+STEPS = 250
+"""Enough that the nuc, started again once the job runs on two, is back before the end: the
+two train about 8 steps a second here, and the nuc's agent needs a few seconds to join."""
 
 
 def _rows(run: Path) -> list[dict]:
@@ -76,7 +78,8 @@ def test_a_lost_device_restarts_the_job_on_the_others_and_it_comes_back(tmp_path
             *("-m", "xronos", "worker", *(options if h == hub else ["--join-timeout", "60"])),
         ]
         log = open(tmp_path / log_name, "w")  # noqa: SIM115 -- closed below
-        p = subprocess.Popen(cmd, cwd=h, env=env, stdout=log, stderr=log, start_new_session=True)
+        named = env | {"XRONOS_DEVICE": h.name}
+        p = subprocess.Popen(cmd, cwd=h, env=named, stdout=log, stderr=log, start_new_session=True)
         procs.append((p, log))
 
     def wait_for(done: Callable[[], bool]) -> None:
@@ -109,6 +112,18 @@ def test_a_lost_device_restarts_the_job_on_the_others_and_it_comes_back(tmp_path
     assert said == ["3", "2", "3"], said  # all, the two that remained, all again
     assert len(re.findall(r"resuming from run/checkpoints/step-", text)) == 2
     assert (hub / "run" / "checkpoints" / f"step-{STEPS:08d}" / "COMPLETE").is_file()
+    # the coordinator logs who left and who came back, as `xronos finetune` does
+    events = [r for r in _rows(hub / "run") if "event" in r]
+    got = [(e["event"], e.get("device") or sorted(e["devices"])) for e in events]
+    assert got == [
+        ("device_lost", "nuc"),
+        ("resumed", ["hub", "pi"]),
+        ("device_joined", "nuc"),
+        ("resumed", ["hub", "nuc", "pi"]),
+    ], events
+    # on two from a checkpoint of the run (every 20 steps); on three from the checkpoint
+    # the two wrote when torchrun stopped them to take the nuc in
+    assert events[1]["step"] % 20 == 0 and events[2]["step"] == events[3]["step"]
     # every step up to the last was trained (some twice, after each restart)
     steps = {r["step"] for r in _rows(hub / "run") if "loss" in r}
     assert steps == set(range(1, STEPS + 1))

@@ -205,6 +205,12 @@ def run(args: argparse.Namespace) -> int:
                 lambda g: accuracy(prep.tokenizer, g, prep.eval_refs),
             )
             ctx.channel = _Direct(monitor)
+            if restarted and prep.job.resume:  # torchrun restarted it, maybe on other devices
+                from xronos.checkpoint import read_checkpoint_meta
+                from xronos.run.membership import restart_events
+
+                step = int(read_checkpoint_meta(prep.job.resume)["step"])
+                restart_events(monitor, prep.run_dir, list(names), step)
         try:
             result = finetune_worker(ctx, shared.job)
         except (RuntimeError, dist.DistError) as e:  # a peer's connection failed mid-run

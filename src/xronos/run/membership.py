@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from xronos.errors import UserError
+from xronos.run.monitor import RunMonitor
 from xronos.utils import atomic_write_text
 
 JOIN_DIR = "join"
@@ -121,3 +122,37 @@ class JoinWatch:
             (self.dir / name).unlink(missing_ok=True)
             self.lost.remove(name)
         return back
+
+
+def restart_events(monitor: RunMonitor, run_dir: Path, devices: list[str], step: int) -> None:
+    """A job that torchrun restarted (elastic rendezvous) and that resumes ``run_dir`` from
+    the checkpoint of ``step`` on ``devices``: ``device_lost`` for each device of the run's
+    last plan that is not among them, ``device_joined`` for each one that is new, and
+    ``resumed`` once the new plan is made — the events ``xronos finetune`` writes."""
+    try:
+        before = [str(d) for d in json.loads((run_dir / "plan.json").read_text())["devices"]]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        before = []
+    done = [r["step"] for r in _rows(run_dir / "metrics.jsonl") if "loss" in r]
+    monitor.last_step = max(done, default=step)
+    for name in before:
+        if name not in devices:
+            monitor.lost(name, before.index(name), "left the torchrun job")
+    for name in devices:
+        if before and name not in before:
+            monitor.event("device_joined", step, device=name)
+    monitor.resuming(step, monitor.last_step)
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by the crash that restarted the job
+    return rows
