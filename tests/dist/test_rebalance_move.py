@@ -1,5 +1,6 @@
 """A live move to another plan (:func:`xronos.run.rebalance.move`) continues the same
-training: the losses after it equal those of the run that kept its plan."""
+training: the losses after it equal those of the run that kept its plan, and those of one
+device training alone (the oracle)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from tests.dist.test_checkpoint import CFG  # a tied model whose KV groups plans cut
 from tests.dist.world import WorkerContext, run_world
+from xronos.comm.mappings import TPGroup
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import Plan
 from xronos.run.rebalance import move, move_prefix
@@ -55,13 +57,23 @@ def _world(ctx: WorkerContext, lora: LoRAConfig | None) -> dict[str, Any]:
     return out
 
 
+def _single(lora: LoRAConfig | None) -> list[float]:
+    """The same 6 steps on one device, in this process."""
+    torch.manual_seed(7)
+    source = ModelSource(cfg=CFG, seed=5, lora=lora)
+    session = TPSession(source, Plan.single(CFG, "local"), TPGroup(), OPTIM, Strategy.SINGLE)
+    return _losses(session, RandomBatches(CFG.vocab_size, batch_size=2, seq_len=16, seed=1), 6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "lora", [None, LoRAConfig(r=4, alpha=8.0, dropout=0.1)], ids=["full", "lora-dropout"]
 )
 def test_a_move_to_another_plan_continues_the_same_training(lora: LoRAConfig | None) -> None:
+    oracle = _single(lora)
     for rank, r in enumerate(run_world(_world, 2, lora)):
         assert r["plan"] == (3, 5), rank
         assert r["steps_True"] == r["steps_False"] == 6
         assert r["moved"][:3] == r["kept"][:3]
         assert r["moved"][3:] == pytest.approx(r["kept"][3:], rel=LOSS_RTOL)
+        assert r["moved"] == pytest.approx(oracle, rel=LOSS_RTOL)
