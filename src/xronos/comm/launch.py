@@ -19,7 +19,6 @@ caller may carry on with the others.
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -34,8 +33,10 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from xronos.comm.failures import SILENCE_GRACE_S, raise_died, raise_root_cause, silent_peer
 from xronos.comm.links import LinkDelays
 from xronos.comm.mappings import TPGroup
+from xronos.comm.start import start_method
 from xronos.errors import DeviceLost, UserError, WorkerError
 
 
@@ -105,8 +106,12 @@ def _worker_main(
     timeout_s: float,
     latency_s: tuple[float, ...] | None = None,
     bandwidth_bps: tuple[float | None, ...] | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     world = len(devices)
     try:
         if slot is not None:
@@ -123,26 +128,33 @@ def _worker_main(
         # descriptor, which is gone once this process exits.
         results.put(("ok", rank, pickle.dumps(fn(ctx, arg))))
     except UserError as e:
-        results.put(("user", rank, str(e)))
+        _say_last(results, ("user", rank, str(e)))
         raise SystemExit(2) from None
     except BaseException as e:
         tb = traceback.format_exc(limit=-6)
         kind = "comm" if _collective_failed(e) else "error"
-        results.put((kind, rank, f"{type(e).__name__}: {_first_line(e)}\n{tb}"))
+        _say_last(results, (kind, rank, f"{type(e).__name__}: {_first_line(e)}\n{tb}"))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def _say_last(results: Any, message: tuple[str, int, str]) -> None:
+    """Send a failure to the parent, and wait until it is written: before this worker's
+    connections close, so that it reaches the parent ahead of the failures it causes in
+    the others' collectives."""
+    results.put(message)
+    results.close()
+    results.join_thread()
+
+
 def _warm_imports() -> None:
     """Import what torch imports lazily on first use: building a model on the meta device
     (reference ops) and the first optimizer (the compiler stack) cost seconds each on a
-    slow device. Paid at start-up, so that no measurement includes them."""
-    import torch
-    import torch._refs
-
-    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    slow device. Paid at start-up, so that no measurement includes them (nothing to do in
+    a worker forked from a server that did it, :mod:`xronos.comm.warm`)."""
+    import xronos.comm.warm  # noqa: F401
 
 
 def _collective_failed(e: BaseException) -> bool:
@@ -177,11 +189,12 @@ def launch(
     stop_when: Callable[[], bool] | None = None,
     latency_s: Sequence[float] | None = None,
     bandwidth_bps: Sequence[float | None] | None = None,
+    forked: bool = True,
 ) -> list[Any]:
     """Run ``fn(ctx, args[rank])`` in one process per device and return the results.
 
     Args:
-        fn: a module-level function (spawned processes import it by name).
+        fn: a module-level function (workers import it by name).
         args: one picklable argument per rank.
         devices: device names, in rank order; they name failures.
         slots: per-rank resource limits entered first thing in the worker, or None.
@@ -199,6 +212,9 @@ def launch(
         bandwidth_bps: rate (bit/s) of each device's link, rank order (None entries:
             unlimited), charged to every message in the communication layer where the
             kernel cannot shape it; None: none.
+        forked: start the workers from a process that has torch loaded already
+            (:func:`~xronos.comm.start.start_method`); False: each imports it anew in its
+            own interpreter, inside its limits (a memory cap then charges torch's pages).
     Raises:
         UserError: a worker found a mistake in the user's input.
         WorkerError: a worker failed or died; the message names its device.
@@ -211,7 +227,8 @@ def launch(
     rates = tuple(bandwidth_bps) if bandwidth_bps is not None else None
     if rates is not None and len(rates) != world:
         raise ValueError(f"{len(rates)} link rates for {world} devices")
-    ctx = mp.get_context("spawn")
+    ctx = start_method(fn.__module__, forked)
+    env = dict(os.environ)  # a forked worker gets the server's: it takes this one instead
     results: Any = ctx.Queue()
     sock = _bound_loopback_socket(host)
     port = sock.getsockname()[1]
@@ -242,6 +259,7 @@ def launch(
                     timeout_s,
                     latencies,
                     rates,
+                    env,
                 ),
                 name=f"xronos-{devices[rank]}",
                 daemon=False,
@@ -294,7 +312,7 @@ def _collect(
                     # give a message that was sent just before exiting a moment to arrive
                     time.sleep(0.5)
                     if results.empty():
-                        _raise_died(devices, rank, p.exitcode)
+                        raise_died(devices, rank, p.exitcode)
             continue
         if kind == "event":
             if on_event is not None:
@@ -304,75 +322,18 @@ def _collect(
         elif kind == "user":
             raise UserError(payload)
         else:
-            _raise_root_cause(procs, devices, {rank})
+            heard = raise_root_cause(procs, results, devices, {rank}, on_event)
             first, _, tb = payload.partition("\n")
             if kind == "comm":
                 grace = min(timeout_s / 2, SILENCE_GRACE_S)
-                silent, heard = _silent_peer(procs, results, rank, grace, on_event)
-                _raise_root_cause(procs, devices, heard)
+                silent = silent_peer(procs, results, heard, grace, on_event)
+                raise_root_cause(procs, results, devices, heard, on_event)
                 if silent is not None:
                     why = f"stopped answering (no reply within the {timeout_s:g} s timeout)"
                     seen = f"device {devices[rank]!r} (rank {rank}): {first}\n{tb}"
                     raise DeviceLost(devices[silent], silent, why, seen)
             raise WorkerError(f"device {devices[rank]!r} (rank {rank}) failed: {first}", tb)
     return [out[r] for r in range(len(procs))]
-
-
-SILENCE_GRACE_S = 30.0
-"""Longest wait, once a worker's collective has failed with no peer dead, for the others to
-report the same failure: one that neither reports nor exits in that time (at most half the
-collective timeout) stopped answering. The others' collectives began within about a step of
-the reporter's, so each times out within about a step of it."""
-
-
-def _silent_peer(
-    procs: list[Any],
-    results: Any,
-    reporter: int,
-    grace_s: float,
-    on_event: Callable[[int, dict[str, Any]], None] | None,
-) -> tuple[int | None, set[int]]:
-    """The first live worker that stays silent for ``grace_s`` after ``reporter``'s
-    collective failed (None when every other worker reported or exited), and the workers
-    that reported a failure."""
-    heard = {reporter}
-    deadline = time.monotonic() + grace_s
-    while True:
-        pending = [r for r, p in enumerate(procs) if r not in heard and p.exitcode is None]
-        if not pending or time.monotonic() >= deadline:
-            return (pending[0] if pending else None), heard
-        try:
-            kind, rank, payload = results.get(timeout=0.2)
-        except queue.Empty:
-            continue
-        if kind == "event":
-            if on_event is not None:
-                on_event(rank, payload)
-        else:
-            heard.add(rank)
-
-
-def _raise_died(devices: tuple[str, ...], rank: int, code: int) -> None:
-    """A worker that exited without a word: killed by a signal, it is a lost device."""
-    reason = f"died: {_exit_reason(code)}"
-    if code < 0:
-        raise DeviceLost(devices[rank], rank, reason)
-    raise WorkerError(f"device {devices[rank]!r} (rank {rank}) {reason}")
-
-
-def _raise_root_cause(procs: list[Any], devices: tuple[str, ...], reporters: set[int]) -> None:
-    """A worker whose collective failed is often the victim of another that died: name
-    the dead one (not one of the ``reporters`` of a failure), which is the cause, if any."""
-    time.sleep(0.3)
-    for rank, p in enumerate(procs):
-        if rank not in reporters and p.exitcode not in (None, 0):
-            _raise_died(devices, rank, p.exitcode)
-
-
-def _exit_reason(code: int) -> str:
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
 
 
 def _stop_all(procs: list[Any], grace_s: float = 3.0) -> None:

@@ -149,10 +149,14 @@ def run_on_cluster(
             emulation["effective_speed"] = emu.effective_speeds()
             emulation["links"] = emu.links.in_force(cluster)
         host = emu.bridge_ip or "127.0.0.1"
+        # a worker forked from a server with torch loaded would not be charged for
+        # torch's pages: under a memory cap each imports it itself, as a real device does
+        capped = any(d.memory_bytes for d in cluster.devices)
         return launch(
             fn,
             args,
             devices,
+            forked=not capped,
             slots=[emu.slot(r) for r in range(cluster.world_size)],
             timeout_s=timeout_s,
             host=host,
