@@ -26,9 +26,9 @@ def _run_dir(tmp_path: Path, pid: int, lost: list[str]) -> Path:
 
 def test_a_lost_device_of_a_live_run_is_asked_back(tmp_path: Path) -> None:
     run = _run_dir(tmp_path, os.getpid(), ["slow"])  # this process stands for a live worker
+    watch = JoinWatch(run, say=lambda line: None)  # the launcher, watching
     path = request_join(run, "slow")
     assert path == run / "join" / "slow" and path.read_text() == "slow\n"
-    watch = JoinWatch(run, say=lambda line: None)
     assert not watch.ask()  # the launcher has lost nothing: no reason to stop
     watch.lost = ["gateway", "slow"]
     assert watch.ask() and watch.asked
@@ -65,11 +65,19 @@ def test_join_needs_a_run_directory(tmp_path: Path) -> None:
         request_join(tmp_path, "slow")
 
 
+def test_requests_of_an_earlier_launch_are_dropped(tmp_path: Path) -> None:
+    (tmp_path / "join").mkdir()
+    (tmp_path / "join" / "slow").write_text("slow\n")  # the run stopped before taking it
+    watch = JoinWatch(tmp_path, say=lambda line: None)
+    watch.lost = ["slow"]  # lost again after the resume: it did not ask this time
+    assert not watch.ask()
+
+
 def test_a_request_for_a_device_not_lost_is_dropped(tmp_path: Path) -> None:
     said: list[str] = []
+    watch = JoinWatch(tmp_path, said.append)
     (tmp_path / "join").mkdir()
     (tmp_path / "join" / "nuc").write_text("nuc\n")
-    watch = JoinWatch(tmp_path, said.append)
     watch.lost = ["slow"]
     assert watch.requests() == [] and not (tmp_path / "join" / "nuc").exists()
     assert said == ["join request for 'nuc' ignored: it is not a device this run lost"]

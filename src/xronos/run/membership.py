@@ -91,6 +91,9 @@ class JoinWatch:
         """Devices lost so far and not back (the order they were lost)."""
         self.asked = False
         """:meth:`ask` said to stop the workers (cleared by the launcher at each start)."""
+        if self.dir.is_dir():  # left by an earlier launch of this run directory: stale
+            for old in self.dir.iterdir():
+                old.unlink(missing_ok=True)
 
     def requests(self) -> list[str]:
         """The lost devices that asked to come back (cheap: one directory listing). A
