@@ -93,12 +93,15 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self, k, v)
         causal = cache is None or s > 1
+        mask = cache.mask(s) if cache is not None else None
+        if mask is not None:
+            causal = False  # the mask is causal too
         if n_q == 0:  # no local query head: nothing to attend (some CPU attention kernels
             # divide their work by the head count); the empty q keeps the seams in the graph
             y = q
         elif self.q_offset == 0 and n_q == n_kv * self.q_per_kv:  # whole KV groups
             y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, enable_gqa=self.q_per_kv > 1
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.q_per_kv > 1
             )  # (B, nq, S, d)
         else:  # local query head j reads local KV head (q_offset + j) // q_per_kv
             kv = torch.div(
@@ -107,7 +110,7 @@ class Attention(nn.Module):
                 rounding_mode="floor",
             )
             y = F.scaled_dot_product_attention(
-                q, k.index_select(1, kv), v.index_select(1, kv), is_causal=causal
+                q, k.index_select(1, kv), v.index_select(1, kv), attn_mask=mask, is_causal=causal
             )  # (B, nq, S, d)
         y = y.transpose(1, 2).reshape(b, s, -1)
         return self.exit(self.o_proj(y))
@@ -238,11 +241,29 @@ class LMHead(nn.Module):
 
 
 class KVCache:
-    """Per-layer key/value cache for greedy decoding: (B, nkv_local, S_total, d)."""
+    """Per-layer key/value cache for greedy decoding: (B, nkv_local, S_total, d).
 
-    def __init__(self) -> None:
+    ``valid`` (B, S_total), for sequences of different lengths padded on the left: which
+    positions hold tokens. A token then attends to the valid positions up to its own (a
+    padding position only to itself, so that nothing is empty); rotary embeddings are
+    relative, so the shift the padding gives every position changes no score.
+    """
+
+    def __init__(self, valid: torch.Tensor | None = None) -> None:
         self.length = 0
+        self.valid = valid
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def mask(self, s: int) -> torch.Tensor | None:
+        """The attention mask (B, 1, s, S_total) of ``s`` new positions, or None (plain
+        causal attention) without padding."""
+        if self.valid is None:
+            return None
+        total = self.valid.shape[1]
+        q_pos = torch.arange(total - s, total).unsqueeze(1)
+        k_pos = torch.arange(total).unsqueeze(0)
+        allowed = (k_pos <= q_pos).unsqueeze(0) & self.valid.unsqueeze(1)
+        return (allowed | (k_pos == q_pos).unsqueeze(0)).unsqueeze(1)
 
     def update(
         self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor
