@@ -35,14 +35,23 @@ def silent_peer(
         if not pending or time.monotonic() >= deadline:
             return pending[0] if pending else None
         try:
-            kind, rank, payload = results.get(timeout=0.2)
+            _note(results.get(timeout=0.2), heard, on_event)
         except queue.Empty:
             continue
-        if kind == "event":
-            if on_event is not None:
-                on_event(rank, payload)
-        else:
-            heard.add(rank)
+
+
+def _note(
+    message: tuple[str, int, Any],
+    heard: set[int],
+    on_event: Callable[[int, dict[str, Any]], None] | None,
+) -> None:
+    """A worker's message read while telling who failed: an event goes on to
+    ``on_event``; any other report adds its sender to ``heard``."""
+    kind, rank, payload = message
+    if kind != "event":
+        heard.add(rank)
+    elif on_event is not None:
+        on_event(rank, payload)
 
 
 def raise_died(devices: tuple[str, ...], rank: int, code: int) -> None:
@@ -67,13 +76,9 @@ def raise_root_cause(
     time.sleep(0.3)
     while True:
         try:
-            kind, rank, payload = results.get_nowait()
+            _note(results.get_nowait(), heard, on_event)
         except queue.Empty:
             break
-        if kind == "event" and on_event is not None:
-            on_event(rank, payload)
-        elif kind != "event":
-            heard.add(rank)
     for rank, p in enumerate(procs):
         if rank not in heard and p.exitcode not in (None, 0):
             raise_died(devices, rank, p.exitcode)

@@ -243,10 +243,10 @@ class LMHead(nn.Module):
 class KVCache:
     """Per-layer key/value cache for greedy decoding: (B, nkv_local, S_total, d).
 
-    ``valid`` (B, S_total), for sequences of different lengths padded on the left: which
-    positions hold tokens. A token then attends to the valid positions up to its own (a
-    padding position only to itself, so that nothing is empty); rotary embeddings are
-    relative, so the shift the padding gives every position changes no score.
+    ``valid`` (B, S_prompt), for prompts of different lengths padded on the left: which
+    positions hold tokens (every later one does). A token then attends to the valid
+    positions up to its own (a padding position only to itself, so that nothing is empty);
+    rotary embeddings are relative, so the shift the padding gives changes no score.
     """
 
     def __init__(self, valid: torch.Tensor | None = None) -> None:
@@ -259,7 +259,10 @@ class KVCache:
         causal attention) without padding."""
         if self.valid is None:
             return None
-        total = self.valid.shape[1]
+        total = self.length + s
+        b, width = self.valid.shape
+        if width < total:  # the tokens decoded after the prompts are all real
+            self.valid = torch.cat([self.valid, self.valid.new_ones(b, total - width)], 1)
         q_pos = torch.arange(total - s, total).unsqueeze(1)
         k_pos = torch.arange(total).unsqueeze(0)
         allowed = (k_pos <= q_pos).unsqueeze(0) & self.valid.unsqueeze(1)

@@ -52,7 +52,7 @@ def launch_elastic(prep: Prepared, monitor: RunMonitor) -> tuple[list[Any], Prep
         DeviceLost: with ``--no-elastic``, or when no device is left.
         UserError: the survivors cannot run the job (memory), or a mistake in the input.
     """
-    first, lost = prep, []
+    first = prep
     joins = JoinWatch(prep.run_dir, monitor.say)
     while True:
         joins.asked = False
@@ -73,16 +73,15 @@ def launch_elastic(prep: Prepared, monitor: RunMonitor) -> tuple[list[Any], Prep
             if prep.cluster.world_size == 1:
                 why = f"{e.reason}; no device is left"
                 raise DeviceLost(e.device, e.rank, why, e.details) from None
-            lost.append(e.device)
             joins.lost.append(e.device)
             prep, start = survivors(prep, e.rank, known_profiles(prep, monitor))
             monitor.resuming(start, step)
             continue
         except UserError as e:
-            if not lost:
+            if not joins.lost:
                 raise
             raise UserError(
-                f"after losing {', '.join(repr(d) for d in lost)}, the remaining devices "
+                f"after losing {', '.join(repr(d) for d in joins.lost)}, the remaining devices "
                 f"cannot carry on: {e}"
             ) from None
         if not (joins.asked and results[0].stopped):

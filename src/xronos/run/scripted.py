@@ -12,6 +12,7 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from xronos.emulation.intruder import Intruder
 from xronos.errors import UserError
@@ -46,18 +47,40 @@ class AtStep:
         """Do it; whether it was done (False: try again at the next step)."""
         raise NotImplementedError
 
+    def running(self) -> dict[str, Any] | None:
+        """The device's row of ``devices.json`` while its worker runs, else None."""
+        for row in read_devices(self.run_dir).get("devices", []):
+            if row.get("name") == self.device and isinstance(row.get("pid"), int):
+                return row  # type: ignore[no-any-return]
+        return None
+
+
+class Disturb(AtStep):
+    """Starts another program on the device (:class:`~xronos.emulation.intruder.Intruder`)."""
+
+    def __init__(self, run_dir: Path, device: str, step: int, say: Callable[[str], None]) -> None:
+        super().__init__(run_dir, device, step, say)
+        self.intruder = Intruder(device, say)
+
+    def act(self, step: int) -> bool:
+        row = self.running()
+        if row is None:
+            return False
+        self.intruder.start(step, row.get("cpus", []), row.get("cgroups", []))
+        return True
+
 
 class Leave(AtStep):
     """Kills the device's worker (SIGKILL), as a power cut would."""
 
     def act(self, step: int) -> bool:
-        for row in read_devices(self.run_dir).get("devices", []):
-            if row.get("name") == self.device and isinstance(row.get("pid"), int):
-                self.say(f"step {step}: '{self.device}' switched off (worker {row['pid']} killed)")
-                with contextlib.suppress(ProcessLookupError):  # it died by itself
-                    os.kill(row["pid"], signal.SIGKILL)
-                return True
-        return False
+        row = self.running()
+        if row is None:
+            return False
+        self.say(f"step {step}: '{self.device}' switched off (worker {row['pid']} killed)")
+        with contextlib.suppress(ProcessLookupError):  # it died by itself
+            os.kill(row["pid"], signal.SIGKILL)
+        return True
 
 
 class Rejoin(AtStep):
@@ -78,11 +101,10 @@ class Script:
         self, cfg: RunConfig, run_dir: Path, devices: list[str], say: Callable[[str], None]
     ):
         self.hooks: list[Callable[[int], None]] = []
-        self.intruder: Intruder | None = None
+        self.disturb: Disturb | None = None
         if cfg.disturb:
-            name, step = parse_at("--disturb", cfg.disturb, devices)
-            self.intruder = Intruder(run_dir, name, step, say)
-            self.hooks.append(self.intruder.on_step)
+            self.disturb = Disturb(run_dir, *parse_at("--disturb", cfg.disturb, devices), say)
+            self.hooks.append(self.disturb.on_step)
         if cfg.leave:
             self.hooks.append(Leave(run_dir, *parse_at("--leave", cfg.leave, devices), say).on_step)
         if cfg.rejoin:
@@ -96,5 +118,5 @@ class Script:
             hook(step)
 
     def stop(self) -> None:
-        if self.intruder is not None:
-            self.intruder.stop()
+        if self.disturb is not None:
+            self.disturb.intruder.stop()

@@ -65,8 +65,6 @@ def greedy_many(
             if all(done):
                 break
             ids = torch.tensor([[t] for t in nxt])
-            if cache.valid is not None:
-                cache.valid = torch.cat([cache.valid, torch.ones(len(idx), 1, dtype=torch.bool)], 1)
     return out
 
 
