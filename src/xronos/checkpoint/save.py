@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from xronos.comm.blobs import recv_blob, send_blob, tensors_blob
+from xronos.comm.groups import new_group
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
 from xronos.errors import UserError
@@ -191,7 +192,7 @@ def _pg(group: TPGroup) -> dist.ProcessGroup:
     group would put its ranks' collective sequence numbers out of step."""
     key = (id(dist.group.WORLD), tuple(_members(group)))
     if key not in _SHARD_GROUPS:
-        _SHARD_GROUPS[key] = dist.new_group(list(key[1]), use_local_synchronization=True)
+        _SHARD_GROUPS[key] = new_group(key[1], local=True)
     return _SHARD_GROUPS[key]
 
 

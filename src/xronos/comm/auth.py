@@ -39,6 +39,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from xronos.comm.groups import init_world
 from xronos.comm.job_token import TOKEN_ENV, no_token_warning
 from xronos.comm.roles import agree_on_round, torchrun_store
 from xronos.errors import UserError
@@ -360,13 +361,7 @@ def join_torchrun_group(
     )
     ours = order.index(rank)
     try:
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore(f"xronos/pg/{round_id}", store),
-            rank=ours,
-            world_size=world_size,
-            timeout=timeout,
-        )
+        init_world(dist.PrefixStore(f"xronos/pg/{round_id}", store), ours, world_size, timeout_s)
     except RuntimeError as e:  # gloo could not connect the devices' pairs
         raise UserError(
             f"device '{device}': admitted, but could not connect to the other devices "

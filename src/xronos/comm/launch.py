@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from xronos.comm.failures import SILENCE_GRACE_S, raise_died, raise_root_cause, silent_peer
+from xronos.comm.groups import init_world
 from xronos.comm.links import LinkDelays
 from xronos.comm.mappings import TPGroup
 from xronos.comm.start import start_method
@@ -90,7 +91,7 @@ def init_gloo(
         os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    init_world(store, rank, world_size, timeout_s)
     return TPGroup.from_default(links)
 
 

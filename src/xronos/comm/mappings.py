@@ -22,7 +22,6 @@ while one lane computes and the other waits on the wire. Their spans are named
 
 from __future__ import annotations
 
-import datetime
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from xronos.comm.groups import new_group
 from xronos.comm.links import LinkDelays
 from xronos.metrics.recorder import current_recorder
 from xronos.metrics.records import COLLECTIVE
@@ -99,12 +99,7 @@ class TPGroup:
         no communication: unchanged."""
         if self.size == 1 or not self.communicate or self.lanes or self.pg is None:
             return self
-        second = dist.new_group(
-            dist.get_process_group_ranks(self.pg),
-            timeout=datetime.timedelta(seconds=timeout_s),
-            backend="gloo",
-            use_local_synchronization=True,
-        )
+        second = new_group(dist.get_process_group_ranks(self.pg), timeout_s, local=True)
         return replace(self, lanes=(self.pg, second))
 
     def _route(self, name: str) -> tuple[dist.ProcessGroup | None, str]:

@@ -33,12 +33,12 @@ computation-stall measurement. The schedules here are ~30 lines.
 from __future__ import annotations
 
 import contextlib
-import datetime
 from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from xronos.comm.groups import new_group
 from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
 from xronos.metrics.recorder import SpanRecorder, current_recorder
@@ -151,11 +151,7 @@ class PipelineRunner:
         # collectives' consistency check (TORCH_DISTRIBUTED_DEBUG=DETAIL) compares.
         self._p2p_group = group
         if group.size > 1:
-            pg = dist.new_group(
-                sorted(self.ranks),
-                timeout=datetime.timedelta(seconds=timeout_s),
-                backend="gloo",
-            )
+            pg = new_group(sorted(self.ranks), timeout_s)
             self._p2p_group = group.on(pg)
         self._lora = [m for m in self.model.modules() if isinstance(m, LoRALinear)]
         self._step_rng: list[torch.Tensor] = []

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from xronos.comm.groups import new_group
 from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
 from xronos.planner.comm import LinkModel, star_links, tp_traffic
@@ -137,7 +138,7 @@ def time_pairs(
     # by its members alone is named after its ranks, and one made again after the first was
     # destroyed would find the first one's stale addresses.
     local = len(ranks) < dist.get_world_size()
-    p2p = dist.new_group(ranks, backend="gloo", use_local_synchronization=local)
+    p2p = new_group(ranks, local=local)
     try:
         for i, j in itertools.combinations(range(group.size), 2):
             if group.rank in (i, j):

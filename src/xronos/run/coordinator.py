@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
+from xronos.comm.groups import new_group
 from xronos.comm.relay import RelayClient, install
 from xronos.errors import UserError
 from xronos.run.prepare import Prepared
@@ -61,7 +62,7 @@ def share_job(rank: int, world: int, make: Callable[[], Prepared], timeout_s: fl
     """Prepare the job on the coordinator and give it to every device; start the relay.
     Collective over the default group. A failure on the coordinator stops every device
     with its line (no device waits for a job that will not come)."""
-    relay = dist.new_group(backend="gloo", timeout=RELAY_IDLE)
+    relay = new_group(timeout_s=RELAY_IDLE.total_seconds())
     sent: list[object] = [None, None]
     prep: Prepared | None = None
     if rank == 0:

@@ -9,15 +9,14 @@ loop runs (the one place that knows every strategy).
 
 from __future__ import annotations
 
-import datetime
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.distributed as dist
 
+from xronos.comm.groups import new_group
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
@@ -247,9 +246,7 @@ def subgroup(ctx: WorkerContext, ranks: Sequence[int]) -> TPGroup | None:
         return ctx.group
     pg = None
     if len(members) > 1:
-        pg = dist.new_group(
-            members, timeout=datetime.timedelta(seconds=ctx.timeout_s), backend="gloo"
-        )
+        pg = new_group(members, ctx.timeout_s)
     if ctx.rank not in members:
         return None
     if pg is None:
@@ -355,9 +352,7 @@ def _open_candidate(
     if own is None:
         if isinstance(best.plan, PipelinePlan) and len(members) > 1:
             # the stages make a point-to-point group of their own: every rank takes part
-            dist.new_group(
-                members, timeout=datetime.timedelta(seconds=ctx.timeout_s), backend="gloo"
-            )
+            new_group(members, ctx.timeout_s)
         return None, []
     own = with_payload(own, spec.comm_dtype)
     if spec.overlap and not isinstance(best.plan, PipelinePlan):

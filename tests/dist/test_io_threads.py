@@ -1,0 +1,44 @@
+"""Gloo's I/O threads run in SCHED_IDLE on every worker, for the world group and for every
+group made later, and collectives still deliver the right sums through them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.dist.world import WorkerContext, run_world
+from xronos.comm.groups import IO_THREAD, new_group
+
+
+def _io_policies() -> list[int]:
+    out = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() == IO_THREAD:
+                out.append(os.sched_getscheduler(int(task.name)))
+        except OSError:
+            continue
+    return out
+
+
+def _check(ctx: WorkerContext, _: Any) -> dict[str, Any]:
+    world = _io_policies()
+    pg = new_group(range(ctx.world_size), 30.0)
+    after = _io_policies()
+    x = torch.full((1000,), float(ctx.rank + 1))
+    torch.distributed.all_reduce(x, group=pg)
+    return {"world": world, "after": after, "sum": x.unique().tolist()}
+
+
+def test_gloo_io_threads_are_demoted_and_collectives_work() -> None:
+    results = run_world(_check, 2)
+    for r in results:
+        assert r["world"], "the world group's I/O thread was not found by its name"
+        assert set(r["world"]) == {os.SCHED_IDLE}
+        # a new group brings a new I/O thread, which is demoted as well
+        assert len(r["after"]) > len(r["world"])
+        assert set(r["after"]) == {os.SCHED_IDLE}
+        assert r["sum"] == [3.0]
