@@ -12,7 +12,8 @@ from xronos.model.lora import LoRAConfig
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.plan import Plan
 from xronos.profiler.measure import Shape
-from xronos.run.sessions import ProfileSource, SessionSpec
+from xronos.run.sessions import ProfileSource
+from xronos.run.opening import SessionSpec
 from xronos.run.worker import FinetuneJob, WorkerResult, finetune_worker
 from xronos.train.batches import RandomBatches
 from xronos.train.optim import OptimConfig

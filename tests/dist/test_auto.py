@@ -19,7 +19,8 @@ from tests.dist.world import WorkerContext, run_world
 from xronos.planner import SEGMENTS
 from xronos.planner.comm import LinkModel, tp_traffic
 from xronos.planner.profile import CostCurve, DeviceProfile
-from xronos.run.sessions import SHORTLIST, Profiles, ProfileSource, open_session
+from xronos.run.trials import SHORTLIST
+from xronos.run.sessions import Profiles, ProfileSource, open_session
 from xronos.run.worker import FinetuneJob, finetune_worker
 from xronos.train.session import Strategy
 

@@ -19,7 +19,7 @@ from xronos.profiler.measure import Shape
 from xronos.run import elastic
 from xronos.run.membership import request_join
 from xronos.run.monitor import RunMonitor
-from xronos.run.sessions import SessionSpec
+from xronos.run.opening import SessionSpec
 from xronos.train.optim import OptimConfig
 from xronos.train.session import Strategy
 from xronos.train.source import ModelSource

@@ -157,7 +157,7 @@ def test_transfer_enters_the_prediction_per_barrier() -> None:
 
 def test_bf16_payloads_halve_the_activation_all_reduces_only() -> None:
     from xronos.planner.profile import CostCurve, DeviceProfile, on_the_wire
-    from xronos.run.sessions import wire_bytes
+    from xronos.run.opening import wire_bytes
 
     traffic = tp_traffic(num_layers=2, hidden_size=8, tokens=16, tied_embeddings=True)
     p = DeviceProfile(

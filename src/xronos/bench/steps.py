@@ -14,7 +14,8 @@ from xronos.metrics.recorder import SpanRecorder
 from xronos.metrics.records import Span, StepRecord
 from xronos.metrics.rss import PeakRSS, release, resident_bytes
 from xronos.planner.profile import DeviceProfile
-from xronos.run.sessions import Opened, ProfileSource, SessionSpec, open_session
+from xronos.run.opening import Opened, SessionSpec
+from xronos.run.sessions import ProfileSource, open_session
 from xronos.train.batches import Batch, RandomBatches, label_count
 from xronos.train.loop import STEP_END, run_step
 from xronos.train.session import Session, Strategy

@@ -56,7 +56,8 @@ from xronos.planner.memory import tp_need, within_caps
 from xronos.planner.plan import Plan, segment_units
 from xronos.planner.profile import DeviceProfile, on_the_wire
 from xronos.planner.solve import predict
-from xronos.run.sessions import Profiles, wire_bytes
+from xronos.run.opening import wire_bytes
+from xronos.run.sessions import Profiles
 from xronos.train.session import Strategy
 
 __all__ = ["BenchJob", "BenchOutput", "StrategyLog", "bench_worker"]

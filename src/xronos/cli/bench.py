@@ -23,7 +23,8 @@ from xronos.planner.plan import default_mlp_chunk, default_vocab_chunk
 from xronos.profiler.measure import Shape
 from xronos.profiler.run import load_cached, profile_key, store_cached
 from xronos.run.launch import CPU_LIMITS, fastest_device, measurement_context, run_on_cluster
-from xronos.run.sessions import ProfileSource, SessionSpec
+from xronos.run.opening import SessionSpec
+from xronos.run.sessions import ProfileSource
 from xronos.train.optim import OptimConfig
 from xronos.train.session import Strategy
 from xronos.train.source import ModelSource

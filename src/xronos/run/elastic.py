@@ -38,8 +38,8 @@ from xronos.planner.plan import Plan
 from xronos.planner.profile import DeviceProfile
 from xronos.run.membership import JoinWatch
 from xronos.run.monitor import RunMonitor
+from xronos.run.opening import SessionSpec
 from xronos.run.prepare import Prepared, launch_job
-from xronos.run.sessions import SessionSpec
 from xronos.train.session import Strategy
 
 

@@ -38,7 +38,8 @@ from xronos.planner.plan import Plan, default_mlp_chunk, default_vocab_chunk
 from xronos.profiler.measure import Shape
 from xronos.profiler.run import load_cached, profile_key
 from xronos.run.launch import DEFAULT_CPU_PERIOD_US, fastest_device, measurement_context
-from xronos.run.sessions import ProfileSource, SessionSpec
+from xronos.run.opening import SessionSpec
+from xronos.run.sessions import ProfileSource
 from xronos.run.worker import FinetuneJob, finetune_worker
 from xronos.runconfig import (
     BASE_DTYPES,

@@ -22,8 +22,9 @@ from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
 from xronos.metrics.recorder import SpanRecorder
 from xronos.metrics.records import StepRecord
+from xronos.run.opening import Opened, SessionSpec
 from xronos.run.rebalance import Rebalancer
-from xronos.run.sessions import Opened, Profiles, ProfileSource, SessionSpec, open_session
+from xronos.run.sessions import Profiles, ProfileSource, open_session
 from xronos.run.spacing import KEEP, CheckpointSpacing
 from xronos.train.batches import StepSource
 from xronos.train.loop import LossNotFinite, StepOutcome, train_loop

@@ -1,0 +1,168 @@
+"""``auto`` on the devices: predict every candidate, measure the best few, open the
+fastest measured one."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+from xronos.comm.launch import WorkerContext
+from xronos.comm.mappings import TPGroup
+from xronos.errors import UserError
+from xronos.planner import PipelinePlan
+from xronos.planner.auto import Candidate, plan_auto
+from xronos.planner.memory import tp_need
+from xronos.planner.plan import Plan, segment_units
+from xronos.planner.profile import DeviceProfile, on_the_wire
+from xronos.run.opening import Opened, SessionSpec, open_candidate, wire_bytes
+from xronos.train.batches import Batch
+from xronos.train.session import Session
+
+SHORTLIST = 3
+"""How many of the best-predicted candidates ``auto`` measures before it chooses."""
+
+Tried = tuple[Plan | None, list[DeviceProfile]]
+"""A trial's plan (an xronos plan, calibrated) and calibrated profiles, kept for the winner."""
+
+
+def _key(c: Candidate) -> str:
+    return f"{c.strategy}:{','.join(map(str, c.devices))}"
+
+
+def open_auto(
+    spec: SessionSpec,
+    ctx: WorkerContext,
+    group: TPGroup,
+    profiles: Callable[[], list[DeviceProfile]],
+    first: list[Batch],
+    only: str | None = None,
+) -> Opened:
+    """Predict every candidate (:func:`~xronos.planner.auto.plan_auto`), then *measure*
+    the best few — each opened fresh on its devices, one untimed and
+    :data:`TRIAL_STEPS` timed steps on the first batch, then discarded; all open at once
+    and stepped in turn where the devices' memory holds them together, else one after the
+    other — and open the fastest measured one; the devices it leaves out get no session.
+    Predictions from a few seconds of profiling can be off by tens of percent; a real step
+    cannot. A hybrid is predicted but not run yet. With ``only`` (``pp-1f1b``: the best
+    pipeline, run with ``spec.strategy``'s schedule) the best-predicted candidate of that
+    kind runs, untried."""
+    t0 = time.perf_counter()
+    cfg, shape, measured = spec.source.cfg, spec.shape, profiles()
+    choice = plan_auto(
+        cfg,
+        on_the_wire(measured, wire_bytes(spec.comm_dtype)),
+        batch_size=shape.batch_size,
+        seq_len=shape.seq_len,
+        grad_accum=spec.grad_accum,
+        mlp_chunk=shape.mlp_chunk,
+        vocab_chunk=shape.vocab_chunk,
+    )
+    runnable = [
+        c
+        for c in choice.candidates
+        if c.feasible
+        and c.strategy != "hybrid"
+        and (only is None or c.strategy == only)
+        and not (spec.resuming and only is None and isinstance(c.plan, PipelinePlan))
+        and (spec.anchor is None or spec.anchor in c.devices)
+    ]
+    if not runnable:
+        raise UserError("auto: no strategy fits the devices' memory; add memory or devices")
+    ranked = sorted(runnable, key=lambda c: c.predicted_step_s)
+    shortlist = ranked[:SHORTLIST] if only is None else ranked[:1]
+    trials: dict[str, float] = {}
+    tried: dict[str, Tried] = {}
+    if len(shortlist) > 1 and spec.trial_steps > 0:
+        totals = segment_units(cfg, shape.mlp_chunk, shape.vocab_chunk)
+        run = _interleaved if room_for_all(measured, shortlist, totals) else _one_by_one
+        trials, tried = run(spec, ctx, shortlist, measured, first)
+    best = min(shortlist, key=lambda c: trials.get(_key(c), c.predicted_step_s))
+    plan, calibrated = tried.get(_key(best), (None, []))
+    session, fresh = open_candidate(spec, ctx, best, measured, first, plan)
+    return Opened(
+        session,
+        time.perf_counter() - t0,
+        given=False,
+        calibrated=calibrated or fresh,
+        choice=choice,
+        ran=best,
+        trials=trials,
+    )
+
+
+def _one_by_one(
+    spec: SessionSpec,
+    ctx: WorkerContext,
+    shortlist: Sequence[Candidate],
+    measured: list[DeviceProfile],
+    first: list[Batch],
+) -> tuple[dict[str, float], dict[str, Tried]]:
+    """Each candidate opened, timed and closed before the next is built (memory allows only
+    one at a time): an untimed step, then ``spec.trial_steps`` timed ones."""
+    trials: dict[str, float] = {}
+    tried: dict[str, Tried] = {}
+    for c in shortlist:
+        session, calibrated = open_candidate(spec, ctx, c, measured, first, None)
+        times = [_timed(session, first, ctx) for _ in range(1 + spec.trial_steps)]
+        trials[_key(c)] = statistics.median(times[1:])
+        tried[_key(c)] = (getattr(session, "plan", None), calibrated)
+        if session is not None:
+            session.close()
+        session = None  # a trial's memory is gone before the next one is built
+    return trials, tried
+
+
+def _interleaved(
+    spec: SessionSpec,
+    ctx: WorkerContext,
+    shortlist: Sequence[Candidate],
+    measured: list[DeviceProfile],
+    first: list[Batch],
+) -> tuple[dict[str, float], dict[str, Tried]]:
+    """Every candidate open at once, their steps taken in turn (the order rotating each
+    round, the first round untimed): a host whose speed drifts over seconds slows them
+    alike, where one after the other it would favour whichever ran in a quiet moment."""
+    opened = [open_candidate(spec, ctx, c, measured, first, None) for c in shortlist]
+    times: list[list[float]] = [[] for _ in shortlist]
+    for k in range(1 + spec.trial_steps):
+        for i in _rotated(len(shortlist), k):
+            t = _timed(opened[i][0], first, ctx)
+            if k:
+                times[i].append(t)
+    trials = {_key(c): statistics.median(ts) for c, ts in zip(shortlist, times, strict=True)}
+    tried = {
+        _key(c): (getattr(session, "plan", None), calibrated)
+        for c, (session, calibrated) in zip(shortlist, opened, strict=True)
+    }
+    for session, _ in opened:
+        if session is not None:
+            session.close()
+    return trials, tried
+
+
+def _rotated(n: int, k: int) -> list[int]:
+    return [(k + i) % n for i in range(n)]
+
+
+def room_for_all(
+    profiles: Sequence[DeviceProfile], shortlist: Sequence[Candidate], totals: dict[str, int]
+) -> bool:
+    """Whether every device of the shortlist could hold the whole model once per candidate
+    it takes part in (a bound above what any of them needs: no candidate puts more than the
+    whole model on a device), within the memory usable there."""
+    for r, p in enumerate(profiles):
+        count = sum(r in c.devices for c in shortlist)
+        if count > 1 and p.memory_bytes > 0 and count * tp_need(p, totals) > p.memory_bytes:
+            return False
+    return True
+
+
+def _timed(session: Session | None, micro: list[Batch], ctx: WorkerContext) -> float:
+    """The slowest rank's time for one step of ``session``; every rank of the world takes
+    part (those without a session wait)."""
+    ctx.group.barrier()
+    start = time.perf_counter()
+    if session is not None:
+        session.step(micro)
+    return max(ctx.group.gather_object(time.perf_counter() - start))

@@ -1,0 +1,57 @@
+"""``auto``'s trials keep every shortlisted candidate open at once only where each device's
+memory holds the whole model once per candidate it takes part in."""
+
+from __future__ import annotations
+
+import math
+
+from xronos.config import small
+from xronos.planner.auto import Candidate
+from xronos.planner.memory import tp_need
+from xronos.planner.plan import segment_units
+from xronos.planner.profile import CostCurve, DeviceProfile
+from xronos.run.trials import room_for_all
+
+CFG = small()
+TOTALS = segment_units(CFG, 32, 32)
+
+
+def _profile(name: str, memory: int) -> DeviceProfile:
+    return DeviceProfile(
+        name=name,
+        segments={s: CostCurve(0.0, 1e-3) for s in TOTALS},
+        replicated_s=0.01,
+        memory_bytes=memory,
+        unit_bytes={s: 1000 for s in TOTALS},
+        base_bytes=10_000,
+    )
+
+
+def _cand(strategy: str, devices: tuple[int, ...]) -> Candidate:
+    return Candidate(strategy, devices, 1.0, None, True, "")
+
+
+SHORTLIST = [_cand("single", (0,)), _cand("xronos", (0, 1)), _cand("tp-even", (0, 1))]
+
+
+def test_unbounded_devices_hold_every_candidate() -> None:
+    assert room_for_all([_profile("a", 0), _profile("b", 0)], SHORTLIST, TOTALS)
+
+
+def test_a_device_in_three_candidates_needs_three_models() -> None:
+    whole = tp_need(_profile("a", 0), TOTALS)
+    enough = [_profile("a", 3 * whole), _profile("b", 2 * whole)]
+    assert room_for_all(enough, SHORTLIST, TOTALS)
+    # one byte short on the device that takes part in all three
+    short = [_profile("a", 3 * whole - 1), _profile("b", 2 * whole)]
+    assert not room_for_all(short, SHORTLIST, TOTALS)
+    # device b takes part in two: it needs two models, not three
+    assert not room_for_all(
+        [_profile("a", 3 * whole), _profile("b", 2 * whole - 1)], SHORTLIST, TOTALS
+    )
+
+
+def test_a_device_in_one_candidate_is_not_counted() -> None:
+    whole = tp_need(_profile("a", 0), TOTALS)
+    alone = [_cand("single", (1,)), _cand("xronos", (0,))]
+    assert room_for_all([_profile("a", math.ceil(whole / 2)), _profile("b", 1)], alone, TOTALS)
