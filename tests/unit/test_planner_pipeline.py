@@ -10,15 +10,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from xronos.config import small
 from xronos.errors import UserError
 from xronos.planner import PipelinePlan, StageCosts, even_pipeline, plan_pipeline
 from xronos.planner.comm import LinkModel
 from xronos.planner.pipesearch import (
     StageDevice,
+    device_stages,
     lower_bound,
     search_pipeline,
     stage_costs_for,
 )
+from xronos.planner.profile import CostCurve, DeviceProfile
 
 
 def partitions(num_layers: int, n: int):
@@ -272,7 +275,15 @@ def test_cutting_the_batch_costs_each_micro_batch_its_split_share() -> None:
     # A layer of 1 s for the whole batch, of which 0.3 s is paid per pass however small:
     # k micro-batches cost 1/k of the batch plus (1 - 1/k) of that 0.3 s each.
     d = StageDevice(
-        StageCosts(name="a", layer_s=1.0, head_s=2.0, layer_split_s=0.3, head_split_s=0.5),
+        StageCosts(
+            name="a",
+            layer_s=1.0,
+            head_s=2.0,
+            embed_s=0.4,
+            layer_split_s=0.3,
+            head_split_s=0.5,
+            embed_split_s=0.1,
+        ),
         None,
         (0,),
     )
@@ -280,8 +291,22 @@ def test_cutting_the_batch_costs_each_micro_batch_its_split_share() -> None:
         (c,) = stage_costs_for([d], fraction=1 / k, act_bytes=0.0)
         assert c.layer_s == pytest.approx(1.0 / k + 0.3 * (1 - 1 / k))
         assert c.head_s == pytest.approx(2.0 / k + 0.5 * (1 - 1 / k))
+        assert c.embed_s == pytest.approx(0.4 / k + 0.1 * (1 - 1 / k))
         # all k micro-batches: the whole batch plus (k - 1) extra passes
         assert k * c.layer_s == pytest.approx(1.0 + 0.3 * (k - 1))
+
+
+def test_the_first_stage_pays_the_profiled_embedding() -> None:
+    # A tied model's whole embedding runs on the first stage only: a device whose embedding
+    # costs a lot is kept off the first stage, and the prediction counts it.
+    cheap, dear = stage_device("a", 0, 1.0), stage_device("b", 1, 1.0)
+    dear = replace(dear, costs=replace(dear.costs, embed_s=5.0))
+    best = search_pipeline(8, [cheap, dear], batch_size=1, grad_accum=1, act_bytes=1e4)
+    assert best is not None and best.stage_ranks[0] == 0
+    # One micro-batch: the step is all the stages' work in sequence, embedding included.
+    dear_first = plan_pipeline(8, stage_costs_for([dear, cheap], fraction=1.0, act_bytes=0.0), 1)
+    plain = plan_pipeline(8, stage_costs_for([cheap, cheap], fraction=1.0, act_bytes=0.0), 1)
+    assert dear_first.predicted_step_s == pytest.approx(plain.predicted_step_s + 5.0)
 
 
 def test_costly_passes_make_the_search_cut_the_batch_less() -> None:
@@ -302,3 +327,16 @@ def test_the_tied_gradient_swap_is_paid_once_per_step_over_the_end_stages_link()
     swap = LinkModel(1e-3, 1e6).p2p_s(0.0) * 2 + 2e6 / 1e6
     assert tied.step_extra_s == pytest.approx(swap)
     assert tied.predicted_step_s == pytest.approx(plain.predicted_step_s + swap)
+
+
+def test_a_profiled_embedding_reaches_the_stage_costs() -> None:
+    cfg = small()
+    p = DeviceProfile(
+        name="a",
+        segments={s: CostCurve(0.0, 1e-3) for s in ("attn", "mlp", "vocab")},
+        replicated_s=0.01,
+        embed_s=0.7,
+        embed_split_s=0.2,
+    )
+    (d,) = device_stages([p], cfg)
+    assert (d.costs.embed_s, d.costs.embed_split_s) == (0.7, 0.2)

@@ -270,9 +270,13 @@ class PipelineRunner:
     def _update(self, loss_sum: float, denom: float) -> tuple[float, float]:
         """All-reduce [Σ grad², loss] across stages, clip by the global norm, AdamW."""
         vec = torch.zeros(2, dtype=torch.float64)
-        for p, w in zip(self.params, self.norm_weight, strict=True):
-            if p.grad is not None and w:
-                vec[0] += p.grad.detach().double().pow(2).sum()
+        grads = [
+            p.grad.detach()
+            for p, w in zip(self.params, self.norm_weight, strict=True)
+            if p.grad is not None and w
+        ]
+        if grads:  # per-tensor norms in fp32, their squares summed in fp64 (as the TP step)
+            vec[0] = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
         vec[1] = loss_sum  # only the last stage has a loss; the others add 0
         self.group.all_reduce(vec, "grads.norm")
         norm = float(vec[0].sqrt())

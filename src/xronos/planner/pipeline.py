@@ -47,6 +47,8 @@ class StageCosts:
     few its tokens (weights re-read, gradients written): see :mod:`xronos.planner.pipesearch`."""
     head_split_s: float = 0.0
     """The same for the LM head."""
+    embed_split_s: float = 0.0
+    """The same for the embedding."""
     send_s: float = 0.0
     """Time to send activations to the next stage and receive their gradients (not last)."""
     layer_bytes: int = 0

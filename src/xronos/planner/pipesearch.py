@@ -85,6 +85,8 @@ def device_stages(
             head_s=p.segments["vocab"](units["vocab"]),
             layer_split_s=(split.get("attn", 0.0) + split.get("mlp", 0.0)) / layers,
             head_split_s=split.get("vocab", 0.0),
+            embed_s=p.embed_s,
+            embed_split_s=p.embed_split_s,
             layer_bytes=layer_bytes // layers,
             head_bytes=ub.get("vocab", 0) * units["vocab"],
             memory_bytes=max(0, p.memory_bytes - p.base_bytes) if p.memory_bytes else 0,
@@ -118,7 +120,7 @@ def stage_costs_for(
             replace(
                 c,
                 layer_s=c.layer_s * fraction + c.layer_split_s * (1.0 - fraction),
-                embed_s=c.embed_s * fraction,
+                embed_s=c.embed_s * fraction + c.embed_split_s * (1.0 - fraction),
                 head_s=c.head_s * fraction + c.head_split_s * (1.0 - fraction),
                 send_s=0.0 if nxt is None else send_s(d, nxt, act_bytes * fraction, fraction),
             )

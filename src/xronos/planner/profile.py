@@ -80,6 +80,14 @@ class DeviceProfile:
     """Measured wait per barrier among the profiled devices when each reaches it at the
     same time on average: how far the slowest of them strays from its mean (a throttled
     CPU runs in bursts; a busy host preempts). 0: not measured, or one device."""
+    embed_s: float = 0.0
+    """A tied model's whole token embedding on this device, forward + backward (+ update)
+    for the profiled batch: what a pipeline's first stage runs besides its layers (tensor
+    parallelism splits it with the vocabulary; an untied embedding is in ``replicated_s``).
+    0: not measured."""
+    embed_split_s: float = 0.0
+    """Of ``embed_s``, what each micro-batch beyond the first adds (its dense gradient is
+    written once per pass); see ``split_s``."""
 
     def replicated_before(self, segment: str, share: Mapping[str, float]) -> float:
         """Replicated work this device does before ``segment``'s barrier."""
@@ -124,6 +132,8 @@ class DeviceProfile:
                 tied_grad_bytes=int(d.get("tied_grad_bytes", 0)),
                 step_scale=float(d.get("step_scale", 1.0)),
                 sync_s=float(d.get("sync_s", 0.0)),
+                embed_s=float(d.get("embed_s", 0.0)),
+                embed_split_s=float(d.get("embed_split_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(

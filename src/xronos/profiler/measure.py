@@ -205,6 +205,28 @@ def time_replicated(shape: Shape, repeats: int) -> float:
     return best_time(_train_step_fn(module, lambda: ids, lambda y: y.sum()), repeats=repeats)
 
 
+def time_embedding(shape: Shape, repeats: int, passes: int = 1) -> float:
+    """Forward+backward(+update) seconds of a tied model's whole embedding (all rows, as a
+    pipeline's first stage holds it; its gradient is dense); 0 for an untied model, whose
+    embedding :func:`time_replicated` already times whole."""
+    cfg = shape.cfg
+    if not cfg.tie_word_embeddings:
+        return 0.0
+    module = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (shape.batch_size, shape.seq_len), generator=gen)
+    if shape.lora is not None:  # frozen: the rows are looked up, nothing flows back
+
+        def lookup() -> None:
+            with torch.no_grad():
+                for part in ids.chunk(passes):
+                    module(part)
+
+        return best_time(lookup, repeats=repeats)
+    step = _train_step_fn(module, lambda: ids, lambda y: y.sum(), passes)
+    return best_time(step, repeats=repeats)
+
+
 @dataclass(frozen=True)
 class SegmentTimes:
     """What :func:`measure_segments` measures."""
@@ -219,6 +241,10 @@ class SegmentTimes:
     pass re-reads the weights and writes their gradients, however few its tokens."""
     scale: float = 1.0
     """The factor these times were scaled by to match a whole real step (1: as measured)."""
+    embed_s: float = 0.0
+    """A tied model's whole embedding (:func:`time_embedding`)."""
+    embed_split_s: float = 0.0
+    """What cutting the batch in two adds to ``embed_s``."""
 
 
 def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
@@ -245,7 +271,15 @@ def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
     u, whole = vocab[-1]
     two = time_vocab(u, shape, repeats, passes=2) if cut else whole
     split["vocab"] = max(two - whole, 0.0) * totals["vocab"] / u
-    return SegmentTimes(curves, time_replicated(shape, repeats), split)
+    embed = time_embedding(shape, repeats)
+    embed_two = time_embedding(shape, repeats, passes=2) if cut and embed else embed
+    return SegmentTimes(
+        curves,
+        time_replicated(shape, repeats),
+        split,
+        embed_s=embed,
+        embed_split_s=max(embed_two - embed, 0.0),
+    )
 
 
 def time_whole_step(shape: Shape, repeats: int = 1) -> float:

@@ -50,7 +50,8 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
             "lora": asdict(shape.lora) if shape.lora else None,
             "torch": torch.__version__,
             "attn_unit": "query head",  # profiles of KV-group units are not reused
-            "measures": ["split", "sync", "whole step"],  # older profiles are not reused
+            # older profiles are not reused
+            "measures": ["split", "sync", "whole step", "tied embedding"],
         },
         sort_keys=True,
         default=str,
@@ -264,6 +265,8 @@ def profile_self(
         segments=measured.curves,
         replicated_s=measured.replicated_s,
         split_s=measured.split_s,
+        embed_s=measured.embed_s,
+        embed_split_s=measured.embed_split_s,
         step_scale=measured.scale,
         tied_grad_bytes=(
             4 * cfg.vocab_size * cfg.hidden_size
@@ -318,6 +321,8 @@ def scaled(
         parts.replicated_s * k,
         {s: v * k for s, v in parts.split_s.items()},
         scale=k,
+        embed_s=parts.embed_s * k,
+        embed_split_s=parts.embed_split_s * k,
     )
 
 
