@@ -1,5 +1,7 @@
 """Gloo's I/O threads run in SCHED_IDLE on every worker, for the world group and for every
-group made later, and collectives still deliver the right sums through them."""
+group made later, and collectives still deliver the right sums through them; when another
+program takes a device's CPU, they go back to the normal class (the guard's behaviour is
+tests/e2e/test_rebalance.py's: without it that run outlasts its timeout)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from typing import Any
 import torch
 
 from tests.dist.world import WorkerContext, run_world
-from xronos.comm.groups import IO_THREAD, new_group
+from xronos.comm.groups import new_group
+from xronos.comm.iothreads import IO_THREAD, starved
 
 
 def _io_policies() -> list[int]:
@@ -42,3 +45,12 @@ def test_gloo_io_threads_are_demoted_and_collectives_work() -> None:
         assert len(r["after"]) > len(r["world"])
         assert set(r["after"]) == {os.SCHED_IDLE}
         assert r["sum"] == [3.0]
+
+
+def test_a_slower_cpu_is_not_another_program() -> None:
+    window = 20_000_000
+    # an I/O thread waiting 92 % of a window behind a competing load, nothing of ours running
+    assert not starved(int(0.92 * window), 0, window)
+    # waiting the whole window while our threads compute: our own work, not another program
+    assert not starved(window, window, window)
+    assert starved(window, 0, window)

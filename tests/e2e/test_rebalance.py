@@ -41,6 +41,11 @@ def test_the_plan_stays_until_another_program_starts_on_the_slow_device(tmp_path
     disturb = ["--disturb", f"slow@{DISTURB_AT}"]
     assert main(["finetune", *RUN, "--steps", str(STEPS), *disturb, "--out", str(run)]) == 0
     rows = _rows(run)
+    # the slow device's idle-class I/O threads would starve behind the program (the run
+    # then lasts many minutes): they are put back in the normal class once it starts
+    back = [r for r in rows if r.get("event") == "io_threads_restored"]
+    assert [r["device"] for r in back] == ["slow"] and back[0]["step"] >= DISTURB_AT
+    rows = _rows(run)
     moves = [r for r in rows if r.get("event") == "replan"]
     assert len(moves) == 1, moves
     # not while nothing changed (steps 1-36: no chasing noise), then within the window

@@ -55,3 +55,13 @@ def test_a_device_in_one_candidate_is_not_counted() -> None:
     whole = tp_need(_profile("a", 0), TOTALS)
     alone = [_cand("single", (1,)), _cand("xronos", (0,))]
     assert room_for_all([_profile("a", math.ceil(whole / 2)), _profile("b", 1)], alone, TOTALS)
+
+
+def test_trials_go_on_only_while_the_two_fastest_are_close() -> None:
+    from xronos.run.trials import CLOSE, _close
+
+    # medians 1.00 and just under 1 + CLOSE: close; the third candidate does not count
+    assert _close([[1.0, 1.0], [1.0 + CLOSE * 0.9] * 2, [5.0]])
+    assert not _close([[1.0, 1.0], [1.0 + CLOSE * 1.1] * 2, [1.0 + CLOSE * 1.2]])
+    # the medians decide, not one stray step
+    assert _close([[1.0, 1.0, 9.0], [1.05, 1.05, 1.05]])

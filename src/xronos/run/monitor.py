@@ -163,6 +163,12 @@ class RunMonitor:
             self.checkpoint = ev["path"]
         elif kind == "rebalance":
             self._rebalanced(ev)
+        elif kind == "io_restored":
+            self.event("io_threads_restored", ev["step"], device=ev["device"])
+            self.say(
+                f"step {ev['step']}: another program is using {ev['device']!r}'s CPU; its "
+                "collectives' I/O threads are back in the normal scheduling class"
+            )
         elif kind == "spacing":
             self.say(
                 f"checkpoint every {ev['every']} steps ({ev['step_s']:.2f} s each): a lost "
@@ -324,6 +330,8 @@ def _event_text(e: dict[str, Any]) -> str:
             f"{e['reason']}; moved in {e['move_s']:.1f} s, predicted to save "
             f"{e['predicted_gain_s']:.0f} s"
         )
+    if e["event"] == "io_threads_restored":
+        return f"another program took {e['device']}'s CPU; its I/O threads are back to normal"
     return (
         f"on {', '.join(e['devices'])} ({e['strategy']}), {e['recomputed_steps']} steps done again"
     )

@@ -21,6 +21,12 @@ from xronos.train.session import Session
 
 SHORTLIST = 3
 """How many of the best-predicted candidates ``auto`` measures before it chooses."""
+CLOSE = 0.10
+"""Interleaved trials go on while the two fastest candidates are this close: on a host
+whose speed strays by 10–30 % over seconds, four steps each picked the wrong one of two
+candidates 8–10 % apart."""
+MORE_ROUNDS = 3
+"""At most this many times the trial steps, timed, when the candidates stay close."""
 
 Tried = tuple[Plan | None, list[DeviceProfile]]
 """A trial's plan (an xronos plan, calibrated) and calibrated profiles, kept for the winner."""
@@ -122,14 +128,19 @@ def _interleaved(
 ) -> tuple[dict[str, float], dict[str, Tried]]:
     """Every candidate open at once, their steps taken in turn (the order rotating each
     round, the first round untimed): a host whose speed drifts over seconds slows them
-    alike, where one after the other it would favour whichever ran in a quiet moment."""
+    alike, where one after the other it would favour whichever ran in a quiet moment.
+    While the two best are within :data:`CLOSE` of each other, more rounds follow, up to
+    :data:`MORE_ROUNDS` times ``spec.trial_steps`` (every rank sees the same times, the
+    slowest rank's, so all decide alike)."""
     opened = [open_candidate(spec, ctx, c, measured, first, None) for c in shortlist]
     times: list[list[float]] = [[] for _ in shortlist]
-    for k in range(1 + spec.trial_steps):
+    k = 0
+    while k <= spec.trial_steps or (k <= MORE_ROUNDS * spec.trial_steps and _close(times)):
         for i in _rotated(len(shortlist), k):
             t = _timed(opened[i][0], first, ctx)
             if k:
                 times[i].append(t)
+        k += 1
     trials = {_key(c): statistics.median(ts) for c, ts in zip(shortlist, times, strict=True)}
     tried = {
         _key(c): (getattr(session, "plan", None), calibrated)
@@ -139,6 +150,12 @@ def _interleaved(
         if session is not None:
             session.close()
     return trials, tried
+
+
+def _close(times: Sequence[Sequence[float]]) -> bool:
+    """Whether the two fastest medians so far are within :data:`CLOSE` of each other."""
+    a, b = sorted(statistics.median(ts) for ts in times)[:2]
+    return b < a * (1.0 + CLOSE)
 
 
 def _rotated(n: int, k: int) -> list[int]:

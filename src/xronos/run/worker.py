@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from xronos.checkpoint import checkpoint_path, prune_checkpoints
+from xronos.comm.iothreads import restored
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
@@ -228,11 +229,15 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     spacing = CheckpointSpacing(job.save_every if job.run_dir else 0)
 
     current: list[Session] = [session]  # a move to a new plan replaces it
+    told = [False]  # this device's I/O threads went back to the normal class
 
     def after_step(o: StepOutcome) -> bool:
         session = current[0]
         if job.keep_records and o.records:
             kept.append(o.records)
+        if not told[0] and restored():
+            told[0] = True
+            ctx.emit({"kind": "io_restored", "step": o.step, "device": ctx.device})
         if _lead(session):
             ctx.emit(
                 {
