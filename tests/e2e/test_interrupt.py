@@ -38,7 +38,7 @@ def test_ctrl_c_checkpoints_and_cleans_up(tmp_path: Path) -> None:
         "--cluster",
         "ci-2dev",
         "--steps",
-        "400",
+        "100000",  # far more than it runs before the Ctrl-C: a tiny step takes milliseconds
         "--train-size",
         "96",
         "--batch-size",
