@@ -38,7 +38,7 @@ def test_ctrl_c_checkpoints_and_cleans_up(tmp_path: Path) -> None:
         "--cluster",
         "ci-2dev",
         "--steps",
-        "100000",  # far more than it runs before the Ctrl-C: a tiny step takes milliseconds
+        "400",
         "--train-size",
         "96",
         "--batch-size",
@@ -50,7 +50,15 @@ def test_ctrl_c_checkpoints_and_cleans_up(tmp_path: Path) -> None:
         "--out",
         str(run),
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C as in a terminal, even when this test runs where SIGINT is ignored (a shell's
+    # background job): Python installs its handler only if SIGINT is not ignored at start
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     metrics = run / "metrics.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:

@@ -55,10 +55,10 @@ _state: dict[str, object] = {"guard": None, "restored": False}
 def demote_io_threads() -> int:
     """Put this process's gloo I/O threads not yet demoted into ``SCHED_IDLE`` and start
     the guard (once); returns how many threads it moved. Threads that end or refuse are
-    skipped; after the guard has restored the normal class, nothing is moved (Linux only;
-    elsewhere 0)."""
+    skipped; after the guard has restored the normal class, nothing is moved. Only where
+    the guard can watch (Linux with per-thread scheduling statistics); elsewhere 0."""
     policy = getattr(os, "SCHED_IDLE", None)
-    if policy is None or not _TASKS.is_dir() or _state["restored"]:
+    if policy is None or _state["restored"] or not _watchable():
         return 0
     moved = 0
     for tid in _io_threads():
@@ -73,6 +73,15 @@ def demote_io_threads() -> int:
         _state["guard"] = guard
         guard.start()
     return moved
+
+
+def _watchable() -> bool:
+    """Whether this system gives each thread's scheduling statistics (the guard's input)."""
+    try:
+        (_TASKS / str(threading.get_native_id()) / "schedstat").read_text()
+    except OSError:
+        return False
+    return True
 
 
 def restored() -> bool:
