@@ -49,7 +49,7 @@ GUARD_WINDOWS = 2
 """Starved windows in a row before the loop threads go back to the normal class."""
 
 _TASKS = Path("/proc/self/task")
-_state: dict[str, object] = {"guard": None, "restored": False}
+_state = {"guarding": False, "restored": False}
 
 
 def demote_io_threads() -> int:
@@ -68,10 +68,9 @@ def demote_io_threads() -> int:
                 moved += 1
         except OSError:  # the thread ended, or the system refused: leave it as it is
             continue
-    if moved and _state["guard"] is None:
-        guard = threading.Thread(target=_guard, name=GUARD_THREAD, daemon=True)
-        _state["guard"] = guard
-        guard.start()
+    if moved and not _state["guarding"]:
+        _state["guarding"] = True
+        threading.Thread(target=_guard, name=GUARD_THREAD, daemon=True).start()
     return moved
 
 
@@ -86,7 +85,7 @@ def _watchable() -> bool:
 
 def restored() -> bool:
     """Whether the guard has put the I/O threads back to the normal class."""
-    return bool(_state["restored"])
+    return _state["restored"]
 
 
 def restore_io_threads() -> None:
@@ -138,10 +137,7 @@ def starved(d_wait_ns: int, d_ours_ns: int, window_ns: int) -> bool:
 
 def _guard() -> None:
     names: dict[str, str] = {}
-    try:
-        last, t_last = _sample(names), time.monotonic_ns()
-    except OSError:  # no scheduling statistics here: nothing to watch
-        return
+    last, t_last = _sample(names), time.monotonic_ns()
     run = 0
     while not _state["restored"]:
         time.sleep(GUARD_WINDOW_S)

@@ -45,14 +45,13 @@ def open_auto(
     only: str | None = None,
 ) -> Opened:
     """Predict every candidate (:func:`~xronos.planner.auto.plan_auto`), then *measure*
-    the best few — each opened fresh on its devices, one untimed and
-    :data:`TRIAL_STEPS` timed steps on the first batch, then discarded; all open at once
-    and stepped in turn where the devices' memory holds them together, else one after the
-    other — and open the fastest measured one; the devices it leaves out get no session.
-    Predictions from a few seconds of profiling can be off by tens of percent; a real step
-    cannot. A hybrid is predicted but not run yet. With ``only`` (``pp-1f1b``: the best
-    pipeline, run with ``spec.strategy``'s schedule) the best-predicted candidate of that
-    kind runs, untried."""
+    the best few — each opened fresh on its devices, one untimed and ``spec.trial_steps``
+    timed steps on the first batch, then discarded; all open at once and stepped in turn
+    where the devices' memory holds them together, else one after the other — and open
+    the fastest measured one; the devices it leaves out get no session. Predictions from a
+    few seconds of profiling can be off by tens of percent; a real step cannot. A hybrid is
+    predicted but not run yet. With ``only`` (``pp-1f1b``: the best pipeline, run with
+    ``spec.strategy``'s schedule) the best-predicted candidate of that kind runs, untried."""
     t0 = time.perf_counter()
     cfg, shape, measured = spec.source.cfg, spec.shape, profiles()
     choice = plan_auto(
