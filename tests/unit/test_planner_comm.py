@@ -175,3 +175,34 @@ def test_bf16_payloads_halve_the_activation_all_reduces_only() -> None:
     assert half.traffic["vocab"] == [(1, act // 2), (1, 8 * 16)]
     assert half.traffic["step"] == [(1, 4), (1, act // 2)]
     assert on_the_wire([p], 4)[0].traffic == traffic
+
+
+def test_a_bulk_point_prices_the_bytes_beyond_the_knee() -> None:
+    # A shaped link: 64 KB pass at line rate (1 GB/s), the rest at 100 MB/s.
+    def true_s(b: float) -> float:
+        return 1e-4 + min(b, 65536) / 1e9 + max(0.0, b - 65536) / 1e8
+
+    line = LinkModel.fit([(16384, true_s(16384)), (65536, true_s(65536))])
+    big = 4 * 65536
+    link = line.with_bulk(65536, big, true_s(big))
+    assert link.knee_bytes == 65536 and link.bulk_bps == pytest.approx(1e8)
+    for b in (1000.0, 65536.0, 1e6, 16.7e6):  # exact on the line and far beyond the knee
+        assert link.p2p_s(b) == pytest.approx(true_s(b), rel=1e-9)
+    assert line.p2p_s(16.7e6) < 0.2 * true_s(16.7e6)  # what the line alone would promise
+    # a bulk message no slower than the line keeps the line
+    assert line.with_bulk(65536, big, line.p2p_s(big)) == line
+    assert LinkModel.from_dict(link.to_dict()) == link
+    assert LinkModel.from_dict(line.to_dict()) == line
+
+
+def test_the_narrower_sustained_rate_limits_pairs_rings_and_the_star() -> None:
+    a = LinkModel(1e-4, 1e9, 65536, 1e8)
+    b = LinkModel(2e-4, 5e8)  # no knee: 500 MB/s at every size
+    p = pair(a, b)
+    assert p.latency_s == pytest.approx(3e-4)  # the sum of two floats
+    assert (p.bandwidth_bps, p.knee_bytes, p.bulk_bps) == (5e8, 65536, 1e8)
+    assert ring([a, b, b]).sustained_bps == 1e8
+    assert ring([b, b]).knee_bytes == math.inf
+    links = star_links(2, {(0, 1): p})
+    assert all(x.sustained_bps == 1e8 and x.knee_bytes == 65536 for x in links)
+    assert pair(*links).p2p_s(1e7) == pytest.approx(p.p2p_s(1e7))

@@ -340,3 +340,48 @@ def test_a_profiled_embedding_reaches_the_stage_costs() -> None:
     )
     (d,) = device_stages([p], cfg)
     assert (d.costs.embed_s, d.costs.embed_split_s) == (0.7, 0.2)
+
+
+def test_the_update_leaves_the_micro_batches_and_the_slowest_stage_pays_it_once() -> None:
+    cfg = small()
+    profiles = [
+        DeviceProfile(
+            name=n,
+            segments={s: CostCurve(0.0, 1e-3 / speed) for s in ("attn", "mlp", "vocab")},
+            replicated_s=0.01 / speed,
+            embed_s=0.3 / speed,
+            update_s={"layer": 0.02 / speed, "embed": 0.05 / speed, "head": 0.06 / speed},
+        )
+        for n, speed in (("fast", 1.0), ("slow", 0.4))
+    ]
+    stages = device_stages(profiles, cfg)
+    plain = device_stages([replace(p, update_s={}) for p in profiles], cfg)
+    for d, was, p in zip(stages, plain, profiles, strict=True):
+        # every micro-batch term loses exactly the profiled update; nothing else moves
+        assert d.costs.layer_s == pytest.approx(was.costs.layer_s - p.update_s["layer"])
+        assert d.costs.embed_s == pytest.approx(was.costs.embed_s - p.update_s["embed"])
+        assert d.costs.head_s == pytest.approx(was.costs.head_s - p.update_s["head"])
+    plan = search_pipeline(cfg.num_layers, stages, batch_size=4, grad_accum=1, act_bytes=0.0)
+    assert plan is not None
+    n = plan.num_stages
+    per_stage = [
+        stages[r].costs.update_s(b - a, first=j == 0, last=j == n - 1)
+        for j, (r, (a, b)) in enumerate(zip(plan.stage_ranks, plan.layer_ranges, strict=True))
+    ]
+    assert plan.update_s == pytest.approx(max(per_stage)) and plan.update_s > 0
+    schedule = sum(plan.predicted_stage_s) + (plan.num_microbatches - 1) * plan.bottleneck_s
+    assert plan.predicted_step_s == pytest.approx(schedule + plan.update_s)
+    assert PipelinePlan.from_dict(plan.to_dict()) == plan
+
+
+def test_an_update_larger_than_its_timed_segment_is_capped_at_it() -> None:
+    # measured apart, an update can exceed a tiny segment's time by noise: a cost stays >= 0
+    p = DeviceProfile(
+        name="a",
+        segments={s: CostCurve(0.0, 1e-6) for s in ("attn", "mlp", "vocab")},
+        replicated_s=0.0,
+        update_s={"layer": 1.0, "embed": 1.0, "head": 1.0},
+    )
+    (d,) = device_stages([p], small())
+    assert min(d.costs.layer_s, d.costs.head_s, d.costs.embed_s) == 0.0
+    assert d.costs.embed_update_s == 0.0  # no embedding time was profiled, none to move

@@ -8,6 +8,7 @@ floating-point operations of the timed step).
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections.abc import Callable
 from dataclasses import replace
@@ -258,3 +259,34 @@ def test_segments_are_scaled_to_a_whole_real_step(monkeypatch: pytest.MonkeyPatc
     # a device whose parts promise more than the limit does not time a whole step
     monkeypatch.setattr(run, "WHOLE_STEP_MAX_S", parts_sum / 2)
     assert run.scaled(parts, SHAPE, TPGroup(), None).scale == 1.0
+
+
+@pytest.mark.parametrize("lora", [None, LoRAConfig(r=4)])
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_update_is_timed_over_what_each_part_trains(
+    lora: LoRAConfig | None, tied: bool
+) -> None:
+    from xronos.model.llama import LlamaForCausalLM
+    from xronos.model.lora import add_lora
+    from xronos.profiler.update import measure_update, trained_shapes
+
+    cfg = replace(tiny(), tie_word_embeddings=tied)
+    shape = Shape(cfg=cfg, batch_size=2, seq_len=8, mlp_chunk=16, vocab_chunk=64, lora=lora)
+    model = LlamaForCausalLM(cfg)
+    if lora is not None:
+        add_lora(model, lora, seed=0)
+    trained = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    parts = {k: sum(math.prod(s) for s in v) for k, v in trained_shapes(shape).items()}
+    layer0 = sum(v for n, v in trained.items() if n.startswith("model.layers.0."))
+    embed = sum(v for n, v in trained.items() if n.startswith("model.embed_tokens."))
+    assert parts["layer"] == layer0 > 0
+    assert parts["embed"] == embed
+    # the head: what trains outside the layers and the embedding, plus a tied embedding's copy
+    rest = sum(trained.values()) - cfg.num_layers * layer0 - embed
+    assert parts["head"] == rest + (embed if tied else 0)
+    upd = measure_update(shape, repeats=1)
+    assert upd["layer"] > 0
+    if lora is not None:  # adapters only: the embedding and the head are frozen
+        assert upd["embed"] == upd["head"] == 0.0
+    else:  # priced at the layer's per-parameter rate
+        assert upd["embed"] / parts["embed"] == pytest.approx(upd["layer"] / parts["layer"])

@@ -88,6 +88,12 @@ def build_report(
             entry["auto"] = out.auto
         result["strategies"][name.value] = entry
     result["memory"] = {**out.memory, "process_peak_rss_mb": out.peak_rss_mb}
+    result["links_measured"] = [
+        {"name": p.name, **p.link.to_dict(), "sustained_bps": p.link.sustained_bps}
+        if p.link is not None
+        else {"name": p.name}
+        for p in out.measured
+    ]
     solo = out.solo_step_time_s
     result["solo_step_time_s"] = {d.name: t for d, t in zip(cluster.devices, solo, strict=True)}
     single = result["strategies"].get("single", {}).get("step_time_s") or solo[fastest]
@@ -112,9 +118,10 @@ def write_outputs(result: dict[str, Any], out_dir: Path, out: BenchOutput) -> No
     from xronos.metrics import plot_bench
 
     plot_bench(out_dir / "bench.png", result)
-    xr = out.logs.get(Strategy.XRONOS)
-    if xr is not None and xr.records:
-        write_trace(out_dir / "trace.json", xr.records[-3:])
+    for strategy, log in out.logs.items():
+        if log.records:  # xronos: trace.json; the others trace-<strategy>.json
+            name = "trace.json" if strategy is Strategy.XRONOS else f"trace-{strategy.value}.json"
+            write_trace(out_dir / name, log.records[-3:])
 
 
 def _finite(obj: Any) -> Any:

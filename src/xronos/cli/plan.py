@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -49,9 +50,12 @@ def run(args: argparse.Namespace) -> int:
         text = _auto(args, cfg, profiles, meta, chunks)
     elif args.strategy == "pp":
         from xronos.pipeline.costs import pipeline_microbatches, stage_costs
+        from xronos.planner.pipesearch import update_s
 
         m = pipeline_microbatches(int(meta.get("batch_size", 1)), len(profiles), None)
-        pplan = plan_pipeline(cfg.num_layers, stage_costs(profiles, cfg, m), m)
+        costs = stage_costs(profiles, cfg, m)
+        pplan = plan_pipeline(cfg.num_layers, costs, m)
+        pplan = dataclasses.replace(pplan, update_s=update_s(pplan, costs))
         print(pplan.table())
         text = pplan.to_json()
     else:

@@ -22,6 +22,12 @@ another member), and the latencies solve ``lat_i + lat_j = L_ij`` in least squar
 all-reduce over the whole profiled group is measured too, at two sizes; for exactly that
 group the measured line is used, for any other subset the star model.
 
+**Bulk.** A link may pass a burst at a higher rate than it sustains (a token bucket, a TCP
+window opening): a line through the activation's sizes then under-prices a message many
+times larger, such as a pipeline's tied-embedding gradient. Each pair also exchanges a
+message four times the activation; the rate it implies beyond the line's largest size (the
+*knee*) prices every byte past the knee (:meth:`LinkModel.with_bulk`).
+
 **Traffic of a tensor-parallel step** (:func:`tp_traffic`), per segment barrier: ``attn``
 and ``mlp`` each close with two all-reduces of the activation (``B·S·H`` fp32) per layer —
 one forward after the row-parallel projection, one backward before the column-parallel
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 #: ``(count, bytes)`` of the collectives that close one barrier.
@@ -51,12 +57,22 @@ class LinkModel:
     """Fixed cost per message (seconds)."""
     bandwidth_bps: float
     """Bytes per second (``inf``: bytes cost nothing)."""
+    knee_bytes: float = math.inf
+    """Up to this many bytes a message costs the line; inf: the line throughout."""
+    bulk_bps: float = math.inf
+    """Bytes per second beyond ``knee_bytes`` (unused while the knee is inf): a shaped link
+    passes a burst at line rate and the rest at its sustained rate, so a message much larger
+    than the line's sizes needs a point of its own (:meth:`with_bulk`)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
             raise ValueError(f"link latency must be finite and >= 0, got {self.latency_s}")
-        if not self.bandwidth_bps > 0:
-            raise ValueError(f"link bandwidth must be > 0, got {self.bandwidth_bps}")
+        if not self.bandwidth_bps > 0 or not self.bulk_bps > 0:
+            raise ValueError(
+                f"link bandwidths must be > 0, got {self.bandwidth_bps} and {self.bulk_bps}"
+            )
+        if not self.knee_bytes >= 0:
+            raise ValueError(f"link knee must be >= 0 bytes, got {self.knee_bytes}")
 
     @classmethod
     def fit(cls, points: Sequence[tuple[float, float]]) -> LinkModel:
@@ -75,9 +91,28 @@ class LinkModel:
             return cls(max(0.0, mt), math.inf)
         return cls(max(0.0, mt - slope * mb), 1.0 / slope)
 
+    def with_bulk(self, knee_bytes: float, nbytes: float, seconds: float) -> LinkModel:
+        """This line up to ``knee_bytes`` (the largest size it was fitted on), and beyond it
+        the rate that a message of ``nbytes > knee_bytes`` taking ``seconds`` implies; a
+        message no slower than the line keeps the line."""
+        extra = seconds - self.p2p_s(knee_bytes)
+        if nbytes <= knee_bytes or extra <= 0:
+            return self
+        bulk = (nbytes - knee_bytes) / extra
+        if bulk >= self.bandwidth_bps:
+            return self
+        return replace(self, knee_bytes=knee_bytes, bulk_bps=bulk)
+
+    @property
+    def sustained_bps(self) -> float:
+        """Bytes per second of a message far beyond the knee."""
+        return self.bulk_bps if math.isfinite(self.knee_bytes) else self.bandwidth_bps
+
     def p2p_s(self, nbytes: float) -> float:
         """One message of ``nbytes`` bytes over this link."""
-        return self.latency_s + nbytes / self.bandwidth_bps
+        line = min(nbytes, self.knee_bytes)
+        bulk = nbytes - line
+        return self.latency_s + line / self.bandwidth_bps + (bulk / self.bulk_bps if bulk else 0.0)
 
     def allreduce_s(self, nbytes: float, ranks: int) -> float:
         """A ring all-reduce of ``nbytes`` over ``ranks`` ranks whose slowest edge is this link."""
@@ -86,17 +121,41 @@ class LinkModel:
         return 2 * (ranks - 1) * self.p2p_s(nbytes / ranks)
 
     def to_dict(self) -> dict[str, float | str]:
-        bw = self.bandwidth_bps
-        return {"latency_s": self.latency_s, "bandwidth_bps": bw if math.isfinite(bw) else "inf"}
+        def num(x: float) -> float | str:
+            return x if math.isfinite(x) else "inf"
+
+        d: dict[str, float | str] = {
+            "latency_s": self.latency_s,
+            "bandwidth_bps": num(self.bandwidth_bps),
+        }
+        if math.isfinite(self.knee_bytes):
+            d |= {"knee_bytes": self.knee_bytes, "bulk_bps": num(self.bulk_bps)}
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LinkModel:
-        return cls(float(d["latency_s"]), float(d["bandwidth_bps"]))
+        return cls(
+            float(d["latency_s"]),
+            float(d["bandwidth_bps"]),
+            float(d.get("knee_bytes", math.inf)),
+            float(d.get("bulk_bps", math.inf)),
+        )
+
+
+def slowest(links: Sequence[LinkModel], latency_s: float) -> LinkModel:
+    """A link with ``latency_s`` that is as narrow as the narrowest of ``links`` at every size."""
+    knee = min(x.knee_bytes for x in links)
+    return LinkModel(
+        latency_s,
+        min(x.bandwidth_bps for x in links),
+        knee,
+        min(x.sustained_bps for x in links) if math.isfinite(knee) else math.inf,
+    )
 
 
 def pair(a: LinkModel, b: LinkModel) -> LinkModel:
     """The path between two devices of the star: latencies add, the narrower link limits."""
-    return LinkModel(a.latency_s + b.latency_s, min(a.bandwidth_bps, b.bandwidth_bps))
+    return slowest((a, b), a.latency_s + b.latency_s)
 
 
 def ring(links: Sequence[LinkModel]) -> LinkModel:
@@ -104,7 +163,7 @@ def ring(links: Sequence[LinkModel]) -> LinkModel:
     if len(links) < 2:
         return LinkModel(0.0, math.inf)
     edges = [pair(links[i], links[(i + 1) % len(links)]) for i in range(len(links))]
-    return LinkModel(max(e.latency_s for e in edges), min(e.bandwidth_bps for e in edges))
+    return slowest(edges, max(e.latency_s for e in edges))
 
 
 def star_links(n: int, pairs: Mapping[tuple[int, int], LinkModel]) -> list[LinkModel]:
@@ -122,6 +181,8 @@ def star_links(n: int, pairs: Mapping[tuple[int, int], LinkModel]) -> list[LinkM
         return pairs[(min(i, j), max(i, j))]
 
     bw = [max(of(i, j).bandwidth_bps for j in range(n) if j != i) for i in range(n)]
+    bulk = [max(of(i, j).sustained_bps for j in range(n) if j != i) for i in range(n)]
+    knee = min(p.knee_bytes for p in pairs.values())
     if n == 2:
         lat = [pairs[(0, 1)].latency_s / 2] * 2
     else:
@@ -131,7 +192,9 @@ def star_links(n: int, pairs: Mapping[tuple[int, int], LinkModel]) -> list[LinkM
             max(0.0, (sum(of(i, j).latency_s for j in range(n) if j != i) - total) / (n - 2))
             for i in range(n)
         ]
-    return [LinkModel(lat[i], bw[i]) for i in range(n)]
+    if not math.isfinite(knee):
+        return [LinkModel(lat[i], bw[i]) for i in range(n)]
+    return [LinkModel(lat[i], bw[i], knee, min(bulk[i], bw[i])) for i in range(n)]
 
 
 def tp_traffic(

@@ -27,7 +27,7 @@ from typing import Any
 
 from xronos.config import ModelConfig
 from xronos.errors import UserError
-from xronos.planner.comm import LinkModel
+from xronos.planner.comm import LinkModel, slowest
 from xronos.planner.pipeline import PipelinePlan, StageCosts
 from xronos.planner.pipesearch import StageDevice, device_stages, search_pipeline
 from xronos.planner.plan import Plan
@@ -83,9 +83,8 @@ def tp_stage(
     link = (
         None
         if any(x is None for x in links)
-        else LinkModel(
-            max(x.latency_s for x in links if x is not None),
-            min(x.bandwidth_bps for x in links if x is not None),
+        else slowest(
+            [x for x in links if x is not None], max(x.latency_s for x in links if x is not None)
         )
     )
     costs = StageCosts(

@@ -51,6 +51,13 @@ class StageCosts:
     """The same for the embedding."""
     send_s: float = 0.0
     """Time to send activations to the next stage and receive their gradients (not last)."""
+    layer_update_s: float = 0.0
+    """The step-end update of one layer's parameters (once per step, not per micro-batch;
+    not in ``layer_s``)."""
+    embed_update_s: float = 0.0
+    """The same for the embedding (first stage)."""
+    head_update_s: float = 0.0
+    """The same for the final norm and LM head (last stage)."""
     layer_bytes: int = 0
     """Memory of one layer: weights, gradients, optimizer state, in-flight activations."""
     embed_bytes: int = 0
@@ -67,6 +74,14 @@ class StageCosts:
             + (self.embed_s if first else 0.0)
             + (self.head_s if last else 0.0)
             + (0.0 if last else self.send_s)
+        )
+
+    def update_s(self, layers: int, *, first: bool, last: bool) -> float:
+        """The step-end update of a stage of ``layers`` layers on this device."""
+        return (
+            layers * self.layer_update_s
+            + (self.embed_update_s if first else 0.0)
+            + (self.head_update_s if last else 0.0)
         )
 
     def stage_bytes(self, layers: int, *, first: bool, last: bool) -> int:
@@ -100,6 +115,9 @@ class PipelinePlan:
     step_extra_s: float = 0.0
     """Predicted time once per step outside the schedule: the first and last stages swap
     their gradients of a tied embedding (:mod:`xronos.pipeline.runner`)."""
+    update_s: float = 0.0
+    """Predicted step-end update after the schedule: the slowest stage's (every stage waits
+    for the gradient norm's all-reduce, then updates its own parameters)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(str(d) for d in self.devices))
@@ -150,12 +168,12 @@ class PipelinePlan:
 
     @property
     def predicted_step_s(self) -> float:
-        """``Σ_j t_j + (m − 1) · max_j t_j`` (a GPipe/1F1B step) plus ``step_extra_s`` (nan
-        without predictions)."""
+        """``Σ_j t_j + (m − 1) · max_j t_j`` (a GPipe/1F1B step) plus ``step_extra_s`` and
+        ``update_s`` (nan without predictions)."""
         if not self.predicted_stage_s:
             return math.nan
         schedule = sum(self.predicted_stage_s) + (self.num_microbatches - 1) * self.bottleneck_s
-        return schedule + self.step_extra_s
+        return schedule + self.step_extra_s + self.update_s
 
     # -- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -177,6 +195,7 @@ class PipelinePlan:
                 num_microbatches=int(d["num_microbatches"]),
                 ranks=tuple(d.get("ranks", ())),
                 step_extra_s=float(d.get("step_extra_s", 0.0)),
+                update_s=float(d.get("update_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(

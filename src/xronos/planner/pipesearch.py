@@ -25,7 +25,9 @@ A step (one optimizer step, ``grad_accum`` batches) is predicted as GPipe/1F1B's
 exactly that (``plan_pipeline(..., exact_step=True)``). With a tied embedding that trains,
 the first and last stages also swap its gradient once per step (both ways at once): one
 message of ``tied_bytes`` over their pair's link, added to the step (``step_extra_s``) —
-over a slow link often more than the whole schedule.
+over a slow link often more than the whole schedule. Then every stage updates its own
+parameters, once: the profiled update (:attr:`DeviceProfile.update_s`) leaves the
+micro-batches' costs and the slowest stage's update is added to the step (``update_s``).
 """
 
 from __future__ import annotations
@@ -79,14 +81,24 @@ def device_stages(
         ub = p.unit_bytes or {}
         layer_bytes = ub.get("attn", 0) * units["attn"] + ub.get("mlp", 0) * units["mlp"]
         split = p.split_s or {}
+        upd = p.update_s or {}
+        layer_s = (per_layer + p.replicated_s) / layers
+        head_s = p.segments["vocab"](units["vocab"])
+        # the update leaves the micro-batches for the step's end (no more than was timed)
+        lu = min(upd.get("layer", 0.0), layer_s)
+        hu = min(upd.get("head", 0.0), head_s)
+        eu = min(upd.get("embed", 0.0), p.embed_s)
         costs = StageCosts(
             name=p.name,
-            layer_s=(per_layer + p.replicated_s) / layers,
-            head_s=p.segments["vocab"](units["vocab"]),
+            layer_s=layer_s - lu,
+            head_s=head_s - hu,
             layer_split_s=(split.get("attn", 0.0) + split.get("mlp", 0.0)) / layers,
             head_split_s=split.get("vocab", 0.0),
-            embed_s=p.embed_s,
+            embed_s=p.embed_s - eu,
             embed_split_s=p.embed_split_s,
+            layer_update_s=lu,
+            embed_update_s=eu,
+            head_update_s=hu,
             layer_bytes=layer_bytes // layers,
             head_bytes=ub.get("vocab", 0) * units["vocab"],
             memory_bytes=max(0, p.memory_bytes - p.base_bytes) if p.memory_bytes else 0,
@@ -192,10 +204,22 @@ def search_pipeline(
                 )
             except UserError:
                 break  # memory does not depend on k: no k fits this order
-            plan = replace(plan, step_extra_s=swap)
+            plan = replace(plan, step_extra_s=swap, update_s=update_s(plan, costs))
             if best is None or plan.predicted_step_s < best.predicted_step_s - 1e-12:
                 best = plan
     return best
+
+
+def update_s(plan: PipelinePlan, costs: Sequence[StageCosts]) -> float:
+    """The slowest stage's step-end update under ``plan``'s layer split."""
+    n = len(costs)
+    return max(
+        (
+            c.update_s(b - a, first=j == 0, last=j == n - 1)
+            for j, (c, (a, b)) in enumerate(zip(costs, plan.layer_ranges, strict=True))
+        ),
+        default=0.0,
+    )
 
 
 def lower_bound(num_layers: int, costs: Sequence[StageCosts], m: int) -> float:

@@ -88,6 +88,11 @@ class DeviceProfile:
     embed_split_s: float = 0.0
     """Of ``embed_s``, what each micro-batch beyond the first adds (its dense gradient is
     written once per pass); see ``split_s``."""
+    update_s: dict[str, float] = field(default_factory=dict)
+    """Seconds of the step-end update (gradient norms + AdamW) of one decoder layer
+    (``layer``), the embedding (``embed``) and the final norm + LM head (``head``), as
+    trained (:mod:`xronos.profiler.update`). The segments' times include it; a pipeline,
+    which updates once after its schedule, takes it out. Empty: not measured."""
 
     def replicated_before(self, segment: str, share: Mapping[str, float]) -> float:
         """Replicated work this device does before ``segment``'s barrier."""
@@ -134,6 +139,7 @@ class DeviceProfile:
                 sync_s=float(d.get("sync_s", 0.0)),
                 embed_s=float(d.get("embed_s", 0.0)),
                 embed_split_s=float(d.get("embed_split_s", 0.0)),
+                update_s={k: float(v) for k, v in d.get("update_s", {}).items()},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(

@@ -33,6 +33,7 @@ from xronos.profiler.measure import (
     time_whole_step,
     unit_bytes,
 )
+from xronos.profiler.update import measure_update
 
 
 def cache_dir() -> Path:
@@ -51,7 +52,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
             "torch": torch.__version__,
             "attn_unit": "query head",  # profiles of KV-group units are not reused
             # older profiles are not reused
-            "measures": ["split", "sync", "whole step", "tied embedding"],
+            "measures": ["split", "sync", "whole step", "tied embedding", "update", "bulk link"],
         },
         sort_keys=True,
         default=str,
@@ -229,11 +230,16 @@ def measure_sync(group: TPGroup, round_s: float = SYNC_ROUND_S) -> float:
     return max(0.0, max(s for _, s in times) - max(a for a, _ in times) - latency)
 
 
+BULK_FACTOR = 4
+"""The bulk message of the link measurement, in activations (:mod:`xronos.planner.comm`)."""
+
+
 def measure_links(group: TPGroup, numel: int) -> tuple[LinkModel | None, LinkModel | None]:
     """This rank's star link and the group's all-reduce line (None, None on one rank).
 
     Messages and all-reduces of ``numel / 16`` and ``numel`` fp32 values (the activation and
-    a sixteenth of it) are timed; see :mod:`xronos.planner.comm` for the model. An
+    a sixteenth of it) are timed, and messages of ``BULK_FACTOR · numel`` for the link's
+    sustained rate; see :mod:`xronos.planner.comm` for the model. An
     all-reduce lasts until its last rank leaves, so at each size the slowest rank's time
     counts, and every rank fits the same line. Collective.
     """
@@ -242,10 +248,11 @@ def measure_links(group: TPGroup, numel: int) -> tuple[LinkModel | None, LinkMod
     sizes = [max(1, numel // 16), numel]
     times = group.gather_object([time_allreduce(group, n) for n in sizes])
     ar = LinkModel.fit([(4 * n, max(t[i] for t in times)) for i, n in enumerate(sizes)])
-    mine = time_pairs(group, sizes)
+    mine = time_pairs(group, [*sizes, BULK_FACTOR * numel])
     pairs: dict[tuple[int, int], LinkModel] = {}
     for led in group.gather_object(mine):
-        pairs.update({k: LinkModel.fit(v) for k, v in led.items()})
+        for k, (*line, bulk) in led.items():
+            pairs[k] = LinkModel.fit(line).with_bulk(4 * numel, *bulk)
     return star_links(group.size, pairs)[group.rank], ar
 
 
@@ -267,6 +274,7 @@ def profile_self(
         split_s=measured.split_s,
         embed_s=measured.embed_s,
         embed_split_s=measured.embed_split_s,
+        update_s=measure_update(shape),
         step_scale=measured.scale,
         tied_grad_bytes=(
             4 * cfg.vocab_size * cfg.hidden_size
