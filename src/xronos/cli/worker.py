@@ -137,6 +137,7 @@ def _first_line(e: BaseException) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from xronos.checkpoint import latest_checkpoint
+    from xronos.comm.heap import keep_freed_memory
     from xronos.comm.launch import WorkerContext
     from xronos.comm.mappings import TPGroup
     from xronos.emulation import ClusterSpec, DeviceSpec
@@ -150,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
             "xronos worker runs under torchrun (RANK/WORLD_SIZE are not set); "
             "on one machine use `xronos finetune`"
         )
+    keep_freed_memory()
     flags = {f.name: getattr(args, f.name, None) for f in config_fields()}
     lead, options = _options(args, flags)
     local = build_config({}, {"timeout": flags.get("timeout")})

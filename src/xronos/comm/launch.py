@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from xronos.comm.failures import SILENCE_GRACE_S, raise_died, raise_root_cause, silent_peer
 from xronos.comm.groups import init_world
+from xronos.comm.heap import keep_freed_memory
 from xronos.comm.links import LinkDelays
 from xronos.comm.mappings import TPGroup
 from xronos.comm.start import start_method
@@ -114,6 +115,7 @@ def _worker_main(
         os.environ.clear()
         os.environ.update(env)
     world = len(devices)
+    keep_freed_memory()
     try:
         if slot is not None:
             slot.enter()
