@@ -7,7 +7,11 @@ model (:mod:`xronos.planner.memory`) says its part of the strategy's plan needs.
 with no part in a strategy is predicted at its runtime.
 
 *Measurement* (:mod:`xronos.metrics.rss`): the kernel's high-water mark of the process's
-resident memory, reset before each strategy's turn (or step, interleaved).
+resident memory, reset before each strategy's turn (or step, interleaved). In turn, freed
+memory is handed back before each turn, so a peak is the strategy's own. Interleaved, it is
+not: the workers keep what they free (:mod:`xronos.comm.heap`, so that no step pays page
+faults for another's), and a strategy's peak is the process's resident memory while it ran,
+at most the largest of them all (``memory.peak_scope`` says which).
 """
 
 from __future__ import annotations

@@ -191,6 +191,11 @@ def bench_worker(ctx: WorkerContext, job: BenchJob) -> BenchOutput | None:
             "enforced_cap_mb": [None if c is None else c / MIB for c in mem.enforced],
             "schedule": "in turn" if mem.in_turn else "interleaved",
             "peak_rss": peak.note,
+            "peak_scope": (
+                "each strategy's own (freed memory handed back before each turn)"
+                if mem.in_turn
+                else "the process's while the strategy ran (freed memory stays resident)"
+            ),
             "cgroup_peak_mb": [None if b is None else b / MIB for b in charged],
         },
         strategies=job.strategies,
