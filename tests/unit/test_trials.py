@@ -65,3 +65,22 @@ def test_trials_go_on_only_while_the_two_fastest_are_close() -> None:
     assert not _close([[1.0, 1.0], [1.0 + CLOSE * 1.1] * 2, [1.0 + CLOSE * 1.2]])
     # the medians decide, not one stray step
     assert _close([[1.0, 1.0, 9.0], [1.05, 1.05, 1.05]])
+
+
+def test_a_collaboration_must_beat_the_device_alone_by_the_margin() -> None:
+    from xronos.run.trials import ALONE_MARGIN, pick
+
+    single, xronos, even = SHORTLIST
+    alone = 0.500
+    just = alone * (1.0 - ALONE_MARGIN)
+    # ahead, but by less than the margin: one device alone
+    assert pick(SHORTLIST, {"single:0": alone, "xronos:0,1": just + 1e-4}) is single
+    # ahead by more than the margin: the collaboration
+    assert pick(SHORTLIST, {"single:0": alone, "xronos:0,1": just - 1e-4}) is xronos
+    # the fastest of the collaborations is the one weighed
+    times = {"single:0": alone, "xronos:0,1": 0.49, "tp-even:0,1": 0.40}
+    assert pick(SHORTLIST, times) is even
+    # nothing tried: the prediction decides, with no margin
+    assert pick(SHORTLIST, {}) is single  # all predicted at 1.0: the first
+    # a device alone that was not tried does not hold a tried collaboration back
+    assert pick([xronos, single], {"xronos:0,1": 0.499}) is xronos

@@ -88,6 +88,9 @@ def build_report(
             entry["auto"] = out.auto
         result["strategies"][name.value] = entry
     result["memory"] = {**out.memory, "process_peak_rss_mb": out.peak_rss_mb}
+    result["io_threads_restored"] = {
+        d.name: when for d, when in zip(cluster.devices, out.io_restored, strict=False)
+    }
     result["links_measured"] = [
         {"name": p.name, **p.link.to_dict(), "sustained_bps": p.link.sustained_bps}
         if p.link is not None

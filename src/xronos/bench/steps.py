@@ -8,6 +8,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from xronos.comm.iothreads import restored
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
 from xronos.metrics.recorder import SpanRecorder
@@ -111,6 +112,9 @@ class Run:
         self.planning_s = 0.0
         self.calibrated: list[DeviceProfile] | None = None
         self.auto: dict[str, object] | None = None
+        self.io_restored: str | None = None
+        """When this process's gloo I/O threads went back to the normal class
+        (:mod:`xronos.comm.iothreads`): after which strategy's step, or None."""
         self.first = self._data().peek()
 
     def _data(self) -> RandomBatches:
@@ -134,6 +138,8 @@ class Run:
 
     def _step(self, s: Strategy, session: Session | None, micro: list[Batch], step: int) -> None:
         _step(session, micro, self.ctx, self.logs[s], counted=step >= self.job.warmup)
+        if self.io_restored is None and restored():
+            self.io_restored = f"step {step} of {s.value}"
 
     def _finish(self, s: Strategy, session: Session | None, micro: list[Batch], iso: bool) -> None:
         if iso:

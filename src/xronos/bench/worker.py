@@ -44,6 +44,7 @@ from xronos.bench.memory import (
     verdicts,
 )
 from xronos.bench.steps import BenchJob, Run, StrategyLog, solo_medians
+from xronos.comm.iothreads import restored
 from xronos.comm.launch import WorkerContext
 from xronos.metrics.rss import (
     MIB,
@@ -98,6 +99,9 @@ class BenchOutput:
     """Runtime, caps (requested and enforced), schedule and how peaks were measured."""
     strategies: tuple[Strategy, ...] = ()
     """Every strategy asked for, in order (run or not)."""
+    io_restored: list[str | None] = field(default_factory=list)
+    """Per device: when its gloo I/O threads went back to the normal class (after which
+    strategy's step), or None: they stayed idle-class (:mod:`xronos.comm.iothreads`)."""
 
 
 @dataclass
@@ -167,6 +171,9 @@ def bench_worker(ctx: WorkerContext, job: BenchJob) -> BenchOutput | None:
     starts = ctx.group.gather_object(dict(run.starts))
     lifetime = ctx.group.gather_object(peak.overall_bytes() / MIB)
     charged = ctx.group.gather_object(cgroup_peak())
+    if run.io_restored is None and restored():
+        run.io_restored = "before the first step"
+    io_restored = ctx.group.gather_object(run.io_restored)
     if ctx.rank != 0:
         return None
     measured = profiles.measured or []
@@ -199,6 +206,7 @@ def bench_worker(ctx: WorkerContext, job: BenchJob) -> BenchOutput | None:
             "cgroup_peak_mb": [None if b is None else b / MIB for b in charged],
         },
         strategies=job.strategies,
+        io_restored=io_restored,
     )
 
 

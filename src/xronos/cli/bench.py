@@ -293,6 +293,12 @@ def bench_once(
         ],
     }
     result = build_report(out, scenario, cluster, cfg, job.fastest, meta)
+    for name, when in result["io_threads_restored"].items():
+        if when is not None:
+            say(
+                f"device {name}: gloo I/O threads back in the normal class ({when}): another "
+                "program kept the CPU; its messages wait for the scheduler's tick from then on"
+            )
     write_outputs(result, out_dir, out)
     print(format_bench_table(result))
     ideal = result["ideal_step_time_s"]

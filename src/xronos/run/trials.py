@@ -27,6 +27,12 @@ whose speed strays by 10–30 % over seconds, four steps each picked the wrong o
 candidates 8–10 % apart."""
 MORE_ROUNDS = 3
 """At most this many times the trial steps, timed, when the candidates stay close."""
+ALONE_MARGIN = 0.03
+"""A collaboration wins over the fastest device alone only when its trial is at least this
+much faster: closer than that, trials cannot tell the two apart on a host whose speed
+strays (measured on ``ci-2dev`` at 500 Mbit/s: ``xronos`` 2 % ahead in the trials, 6 %
+behind in the counted steps), and the promise is never to be slower than one device alone;
+alone, the other devices also stay free."""
 
 Tried = tuple[Plan | None, list[DeviceProfile]]
 """A trial's plan (an xronos plan, calibrated) and calibrated profiles, kept for the winner."""
@@ -48,7 +54,8 @@ def open_auto(
     the best few — each opened fresh on its devices, one untimed and ``spec.trial_steps``
     timed steps on the first batch, then discarded; all open at once and stepped in turn
     where the devices' memory holds them together, else one after the other — and open
-    the fastest measured one; the devices it leaves out get no session. Predictions from a
+    the fastest measured one (:func:`pick`: a collaboration must beat the device alone by
+    :data:`ALONE_MARGIN`); the devices it leaves out get no session. Predictions from a
     few seconds of profiling can be off by tens of percent; a real step cannot. A hybrid is
     predicted but not run yet. With ``only`` (``pp-1f1b``: the best pipeline, run with
     ``spec.strategy``'s schedule) the best-predicted candidate of that kind runs, untried."""
@@ -82,7 +89,7 @@ def open_auto(
         totals = segment_units(cfg, shape.mlp_chunk, shape.vocab_chunk)
         run = _interleaved if room_for_all(measured, shortlist, totals) else _one_by_one
         trials, tried = run(spec, ctx, shortlist, measured, first)
-    best = min(shortlist, key=lambda c: trials.get(_key(c), c.predicted_step_s))
+    best = pick(shortlist, trials)
     plan, calibrated = tried.get(_key(best), (None, []))
     session, fresh = open_candidate(spec, ctx, best, measured, first, plan)
     return Opened(
@@ -94,6 +101,19 @@ def open_auto(
         ran=best,
         trials=trials,
     )
+
+
+def pick(shortlist: Sequence[Candidate], trials: dict[str, float]) -> Candidate:
+    """The fastest candidate, measured where it was tried (else predicted); a candidate of
+    several devices only if it beats the fastest one-device candidate tried by
+    :data:`ALONE_MARGIN`."""
+    best = min(shortlist, key=lambda c: trials.get(_key(c), c.predicted_step_s))
+    alone = [c for c in shortlist if len(c.devices) == 1 and _key(c) in trials]
+    if len(best.devices) > 1 and _key(best) in trials and alone:
+        solo = min(alone, key=lambda c: trials[_key(c)])
+        if trials[_key(best)] > (1.0 - ALONE_MARGIN) * trials[_key(solo)]:
+            return solo
+    return best
 
 
 def _one_by_one(
