@@ -67,6 +67,7 @@ class Profiles:
                     self.source.keys[r],
                 )
                 self.measured = share_profiles(mine, self.ctx.group)
+                release()  # the profiler's models and optimizers: kept memory is not theirs
             self.seconds = time.perf_counter() - t0
         return self.measured
 
