@@ -172,7 +172,7 @@ def bench_worker(ctx: WorkerContext, job: BenchJob) -> BenchOutput | None:
     lifetime = ctx.group.gather_object(peak.overall_bytes() / MIB)
     charged = ctx.group.gather_object(cgroup_peak())
     if run.io_restored is None and restored():
-        run.io_restored = "before the first step"
+        run.io_restored = "outside the strategies' steps: profiling, opening or solo steps"
     io_restored = ctx.group.gather_object(run.io_restored)
     if ctx.rank != 0:
         return None

@@ -194,7 +194,7 @@ def star_links(n: int, pairs: Mapping[tuple[int, int], LinkModel]) -> list[LinkM
         ]
     if not math.isfinite(knee):
         return [LinkModel(lat[i], bw[i]) for i in range(n)]
-    return [LinkModel(lat[i], bw[i], knee, min(bulk[i], bw[i])) for i in range(n)]
+    return [LinkModel(lat[i], bw[i], knee, bulk[i]) for i in range(n)]
 
 
 def tp_traffic(

@@ -70,15 +70,7 @@ def measure_update(shape: Shape, repeats: int = 3) -> dict[str, float]:
     module docstring); 0 for a part that does not train."""
     parts = trained_shapes(shape)
     layer = time_tensors_update(parts["layer"], repeats)
-    numel = sum(_numel(s) for s in parts["layer"])
+    numel = {k: sum(math.prod(s) for s in v) for k, v in parts.items()}
     # the rate of the layer's tensors prices the big matrices (memory-bound, like the layer's)
-    rate = layer / numel if numel else 0.0
-    return {
-        "layer": layer,
-        "embed": rate * sum(_numel(s) for s in parts["embed"]),
-        "head": rate * sum(_numel(s) for s in parts["head"]),
-    }
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
+    rate = layer / numel["layer"] if numel["layer"] else 0.0
+    return {"layer": layer, "embed": rate * numel["embed"], "head": rate * numel["head"]}
