@@ -28,6 +28,7 @@ from xronos.model.rope import RotaryEmbedding
 from xronos.parallel.vocab import vocab_parallel_cross_entropy
 from xronos.planner.plan import segment_units
 from xronos.planner.profile import CostCurve
+from xronos.train.optim import new_adamw
 
 BYTES_FP32 = 4
 
@@ -89,7 +90,7 @@ def _train_step_fn(
     along the batch (gradients accumulating, as in gradient accumulation or a pipeline's
     micro-batches), then the update."""
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-6) if params else None
+    opt = new_adamw(params, lr=1e-6) if params else None
 
     def run() -> None:
         for x in make_input().chunk(passes):
@@ -297,7 +298,7 @@ def time_whole_step(shape: Shape, repeats: int = 1) -> float:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (shape.batch_size, shape.seq_len), generator=gen)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-6)
+    opt = new_adamw(params, lr=1e-6)
 
     def step() -> None:
         model.loss_sum(ids, ids).backward()

@@ -53,6 +53,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
             "attn_unit": "query head",  # profiles of KV-group units are not reused
             # older profiles are not reused
             "measures": ["split", "sync", "whole step", "tied embedding", "update", "bulk link"],
+            "optimizer": "adamw fused",  # the step's optimizer, as the update is timed
         },
         sort_keys=True,
         default=str,

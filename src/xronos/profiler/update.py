@@ -20,6 +20,7 @@ import torch
 from xronos.model.llama import LlamaForCausalLM
 from xronos.model.lora import add_lora
 from xronos.profiler.measure import Shape, best_time
+from xronos.train.optim import new_adamw
 
 
 def trained_shapes(shape: Shape) -> dict[str, list[tuple[int, ...]]]:
@@ -55,7 +56,7 @@ def time_tensors_update(shapes: list[tuple[int, ...]], repeats: int = 2) -> floa
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
-    opt = torch.optim.AdamW(params, lr=1e-6)
+    opt = new_adamw(params, lr=1e-6)
     grads = [p.grad for p in params if p.grad is not None]
 
     def step() -> None:
