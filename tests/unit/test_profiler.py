@@ -248,9 +248,17 @@ def test_segments_are_scaled_to_a_whole_real_step(monkeypatch: pytest.MonkeyPatc
     totals = segment_units(SHAPE.cfg, SHAPE.mlp_chunk, SHAPE.vocab_chunk)
     parts_sum = parts.replicated_s + sum(c(totals[s]) for s, c in parts.curves.items())
     # a real step 1.5 times the parts' sum: every cost grows by 1.5
-    monkeypatch.setattr(run, "time_whole_step", lambda shape: 1.5 * parts_sum)
+    repeats: list[int] = []
+
+    def whole(shape: Shape, n: int) -> float:
+        repeats.append(n)
+        return 1.5 * parts_sum
+
+    monkeypatch.setattr(run, "time_whole_step", whole)
     got = run.scaled(parts, SHAPE, TPGroup(), None)
     assert got.scale == pytest.approx(1.5)
+    # as many whole steps as the limit allows, at most WHOLE_STEPS
+    assert repeats == [min(run.WHOLE_STEPS, int(run.WHOLE_STEP_MAX_S / parts_sum))]
     assert got.replicated_s == pytest.approx(0.075)
     assert got.curves["attn"].a == pytest.approx(0.015) and got.curves["mlp"].b == pytest.approx(
         0.0015
@@ -259,6 +267,10 @@ def test_segments_are_scaled_to_a_whole_real_step(monkeypatch: pytest.MonkeyPatc
     # a device whose parts promise more than the limit does not time a whole step
     monkeypatch.setattr(run, "WHOLE_STEP_MAX_S", parts_sum / 2)
     assert run.scaled(parts, SHAPE, TPGroup(), None).scale == 1.0
+    # room for one and a half: one step
+    monkeypatch.setattr(run, "WHOLE_STEP_MAX_S", parts_sum * 1.5)
+    run.scaled(parts, SHAPE, TPGroup(), None)
+    assert repeats[-1] == 1
 
 
 @pytest.mark.parametrize("lora", [None, LoRAConfig(r=4)])

@@ -13,6 +13,7 @@ the least disturbed by other processes and by the CPU quota's throttling phase.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -287,7 +288,9 @@ def time_whole_step(shape: Shape, repeats: int = 1) -> float:
     """Seconds of one real training step of the whole model on this device (random weights,
     LoRA when profiled with it), after one untimed step: what the segments' sum stands
     for, with everything the parts leave out (the model's own Python, the loss, one
-    optimizer over every parameter, caches shared between layers)."""
+    optimizer over every parameter, caches shared between layers). The median of
+    ``repeats`` steps: what a run's median step is compared with (a minimum would be
+    optimistic on a shared host; one step alone was measured 16 % off)."""
     cfg = shape.cfg
     model = LlamaForCausalLM(cfg)
     init_weights(model, seed=0)
@@ -305,7 +308,13 @@ def time_whole_step(shape: Shape, repeats: int = 1) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return best_time(step, repeats=repeats, warmup=1)
+    step()  # AdamW makes its state; the allocator and the kernels warm up
+    times = []
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def unit_bytes(shape: Shape) -> dict[str, int]:
