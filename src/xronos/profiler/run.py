@@ -53,7 +53,11 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
             "attn_unit": "query head",  # profiles of KV-group units are not reused
             # older profiles are not reused
             "measures": [
-                *("split", "sync", "whole step median", "tied embedding", "update"),
+                "split",
+                "sync",
+                "whole step median",
+                "tied embedding",
+                "update",
                 "bulk link",
             ],
             "optimizer": "adamw fused",  # the step's optimizer, as the update is timed
