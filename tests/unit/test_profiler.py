@@ -100,9 +100,10 @@ def test_degenerate_inputs() -> None:
 
 
 def test_unit_points() -> None:
-    assert unit_points(16) == [4, 8]
-    assert unit_points(257) == [64, 128]
-    assert unit_points(3) == [1]  # 3 // 4 and 3 // 2 both give 1 unit
+    assert unit_points(16) == [2, 4, 8]  # three points: the line's shape, not just its scale
+    assert unit_points(257) == [32, 64, 128]
+    assert unit_points(16, 4) == [4, 8]  # whole groups of 4: an eighth rounds up to one group
+    assert unit_points(3) == [1]  # 3 // 8, 3 // 4 and 3 // 2 all give 1 unit
     assert unit_points(1) == [1]
     for total in (1, 2, 3, 16, 257):
         pts = unit_points(total)

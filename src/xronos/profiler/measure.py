@@ -74,11 +74,14 @@ def fit_line(points: list[tuple[int, float]]) -> CostCurve:
 
 
 def unit_points(total: int, step: int = 1) -> list[int]:
-    """Two distinct unit counts (a quarter and a half of the total) where possible: enough
-    for the line, and cheap — the real-step calibration corrects the scale afterwards.
-    With ``step`` they are multiples of it (attention: whole KV groups, so the line through
-    them carries each query head's share of its group's K/V)."""
-    return sorted({max(step, total // 4 // step * step), max(step, total // 2 // step * step)})
+    """Up to three distinct unit counts (an eighth, a quarter and a half of the total): the
+    real-step calibration corrects the line's scale afterwards but keeps its shape, the
+    fixed part against the part per unit, and that shape decides how many units move to
+    a slow device. Through two points one disturbed timing moved the fixed part of
+    ``small``'s attention from 4 to 50 ms per step. With ``step`` the counts are multiples
+    of it (attention: whole KV groups, so the line through them carries each query head's
+    share of its group's K/V)."""
+    return sorted({max(step, total // k // step * step) for k in (8, 4, 2)})
 
 
 def _train_step_fn(
@@ -150,6 +153,7 @@ def time_layer_segment(seg: str, units: int, shape: Shape, repeats: int, passes:
     return best_time(
         _train_step_fn(module, lambda: x0.clone().requires_grad_(True), lambda y: y.sum(), passes),
         repeats=repeats,
+        warmup=1,  # AdamW makes its state, the kernels warm up: not the step's cost
     )
 
 
@@ -171,6 +175,7 @@ def time_vocab(units: int, shape: Shape, repeats: int, passes: int = 1) -> float
     return best_time(
         _train_step_fn(head, lambda: h0.clone().requires_grad_(True), loss_of, passes),
         repeats=repeats,
+        warmup=1,
     )
 
 
@@ -249,7 +254,7 @@ class SegmentTimes:
     """What cutting the batch in two adds to ``embed_s``."""
 
 
-def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
+def measure_segments(shape: Shape, repeats: int = 3) -> SegmentTimes:
     """Fitted per-step cost curves of attn / mlp / vocab, the replicated seconds, and what
     cutting the batch in two costs (measured at the larger unit point, scaled to all units;
     0 for a batch of one sequence, which cannot be cut)."""
@@ -258,7 +263,9 @@ def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
     split: dict[str, float] = {}
     layers = shape.cfg.num_layers
     cut = shape.batch_size >= 2
-    time_layer_segment("mlp", 1, shape, repeats=1)  # warm the allocator and the kernels
+    # the process's first steps grow its heap and load its kernels: not what a unit costs
+    for seg in ("attn", "mlp"):
+        time_layer_segment(seg, unit_points(totals[seg])[-1], shape, repeats=1)
     for seg in ("attn", "mlp"):
         step = shape.cfg.q_per_kv if seg == "attn" else 1
         units = unit_points(totals[seg], step)

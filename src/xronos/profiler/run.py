@@ -56,6 +56,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
                 "split",
                 "sync",
                 "whole step median",
+                "three points",
                 "tied embedding",
                 "update",
                 "bulk link",
