@@ -254,7 +254,7 @@ class SegmentTimes:
     """What cutting the batch in two adds to ``embed_s``."""
 
 
-def measure_segments(shape: Shape, repeats: int = 3) -> SegmentTimes:
+def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
     """Fitted per-step cost curves of attn / mlp / vocab, the replicated seconds, and what
     cutting the batch in two costs (measured at the larger unit point, scaled to all units;
     0 for a batch of one sequence, which cannot be cut)."""

@@ -312,8 +312,9 @@ def profile_self(
 WHOLE_STEP_MAX_S = 3.0
 """Above this predicted step a device does not time a whole step (it takes the others'
 ratio): profiling stays a few seconds on a slow device."""
-WHOLE_STEPS = 3
-"""Whole steps timed (their median counts) where :data:`WHOLE_STEP_MAX_S` allows as many."""
+WHOLE_STEPS = 2
+"""Whole steps timed (their median counts) where :data:`WHOLE_STEP_MAX_S` allows as many:
+two, not more, as each adds a step of the slowest device to the profiling time."""
 
 
 def scaled(
