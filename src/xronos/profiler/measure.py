@@ -13,7 +13,6 @@ the least disturbed by other processes and by the CPU quota's throttling phase.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,14 +73,11 @@ def fit_line(points: list[tuple[int, float]]) -> CostCurve:
 
 
 def unit_points(total: int, step: int = 1) -> list[int]:
-    """Up to three distinct unit counts (an eighth, a quarter and a half of the total): the
-    real-step calibration corrects the line's scale afterwards but keeps its shape, the
-    fixed part against the part per unit, and that shape decides how many units move to
-    a slow device. Through two points one disturbed timing moved the fixed part of
-    ``small``'s attention from 4 to 50 ms per step. With ``step`` the counts are multiples
-    of it (attention: whole KV groups, so the line through them carries each query head's
-    share of its group's K/V)."""
-    return sorted({max(step, total // k // step * step) for k in (8, 4, 2)})
+    """Two distinct unit counts (a quarter and a half of the total) where possible: enough
+    for the line, and cheap — the real-step calibration corrects the scale afterwards.
+    With ``step`` they are multiples of it (attention: whole KV groups, so the line through
+    them carries each query head's share of its group's K/V)."""
+    return sorted({max(step, total // 4 // step * step), max(step, total // 2 // step * step)})
 
 
 def _train_step_fn(
@@ -153,7 +149,6 @@ def time_layer_segment(seg: str, units: int, shape: Shape, repeats: int, passes:
     return best_time(
         _train_step_fn(module, lambda: x0.clone().requires_grad_(True), lambda y: y.sum(), passes),
         repeats=repeats,
-        warmup=1,  # AdamW makes its state, the kernels warm up: not the step's cost
     )
 
 
@@ -175,7 +170,6 @@ def time_vocab(units: int, shape: Shape, repeats: int, passes: int = 1) -> float
     return best_time(
         _train_step_fn(head, lambda: h0.clone().requires_grad_(True), loss_of, passes),
         repeats=repeats,
-        warmup=1,
     )
 
 
@@ -263,9 +257,7 @@ def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
     split: dict[str, float] = {}
     layers = shape.cfg.num_layers
     cut = shape.batch_size >= 2
-    # the process's first steps grow its heap and load its kernels: not what a unit costs
-    for seg in ("attn", "mlp"):
-        time_layer_segment(seg, unit_points(totals[seg])[-1], shape, repeats=1)
+    time_layer_segment("mlp", 1, shape, repeats=1)  # warm the allocator and the kernels
     for seg in ("attn", "mlp"):
         step = shape.cfg.q_per_kv if seg == "attn" else 1
         units = unit_points(totals[seg], step)
@@ -295,9 +287,7 @@ def time_whole_step(shape: Shape, repeats: int = 1) -> float:
     """Seconds of one real training step of the whole model on this device (random weights,
     LoRA when profiled with it), after one untimed step: what the segments' sum stands
     for, with everything the parts leave out (the model's own Python, the loss, one
-    optimizer over every parameter, caches shared between layers). The median of
-    ``repeats`` steps: what a run's median step is compared with (a minimum would be
-    optimistic on a shared host; one step alone was measured 16 % off)."""
+    optimizer over every parameter, caches shared between layers)."""
     cfg = shape.cfg
     model = LlamaForCausalLM(cfg)
     init_weights(model, seed=0)
@@ -315,13 +305,7 @@ def time_whole_step(shape: Shape, repeats: int = 1) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()  # AdamW makes its state; the allocator and the kernels warm up
-    times = []
-    for _ in range(max(repeats, 1)):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return best_time(step, repeats=repeats, warmup=1)
 
 
 def unit_bytes(shape: Shape) -> dict[str, int]:

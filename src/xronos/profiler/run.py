@@ -52,15 +52,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
             "torch": torch.__version__,
             "attn_unit": "query head",  # profiles of KV-group units are not reused
             # older profiles are not reused
-            "measures": [
-                "split",
-                "sync",
-                "whole step median",
-                "three points",
-                "tied embedding",
-                "update",
-                "bulk link",
-            ],
+            "measures": ["split", "sync", "whole step", "tied embedding", "update", "bulk link"],
             "optimizer": "adamw fused",  # the step's optimizer, as the update is timed
         },
         sort_keys=True,
@@ -312,9 +304,6 @@ def profile_self(
 WHOLE_STEP_MAX_S = 3.0
 """Above this predicted step a device does not time a whole step (it takes the others'
 ratio): profiling stays a few seconds on a slow device."""
-WHOLE_STEPS = 2
-"""Whole steps timed (their median counts) where :data:`WHOLE_STEP_MAX_S` allows as many:
-two, not more, as each adds a step of the slowest device to the profiling time."""
 
 
 def scaled(
@@ -324,18 +313,16 @@ def scaled(
 
     The segments are timed apart; a real step also runs the model's own Python, the loss
     and one optimizer over every parameter, and its layers share the caches. Each device
-    times whole steps where it holds the model and one takes at most
-    :data:`WHOLE_STEP_MAX_S` (up to :data:`WHOLE_STEPS` of them within that time); the
-    ratio real / parts scales every cost (a device that did not time one takes the median
-    ratio of those that did; none: 1). Collective."""
+    times one whole step where it holds the model and it takes at most
+    :data:`WHOLE_STEP_MAX_S`; the ratio real / parts scales every cost (a device that did
+    not time one takes the median ratio of those that did; none: 1). Collective."""
     totals = segment_units(shape.cfg, shape.mlp_chunk, shape.vocab_chunk)
     predicted = parts.replicated_s + sum(c(totals[s]) for s, c in parts.curves.items())
     need = base_bytes(shape) + sum(b * totals[s] for s, b in unit_bytes(shape).items())
     room = usable_memory(memory_cap)
     ratio = None
     if 0 < predicted <= WHOLE_STEP_MAX_S and (room == 0 or need <= room):
-        repeats = min(WHOLE_STEPS, max(1, int(WHOLE_STEP_MAX_S / predicted)))
-        ratio = time_whole_step(shape, repeats) / predicted
+        ratio = time_whole_step(shape) / predicted
     ratios = [r for r in group.gather_object(ratio) if r is not None]
     k = ratio if ratio is not None else statistics.median(ratios) if ratios else 1.0
     return SegmentTimes(
