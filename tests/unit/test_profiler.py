@@ -204,8 +204,9 @@ def test_split_cost_is_what_one_more_pass_adds_scaled_to_the_whole_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A clock that charges every forward pass a fixed PASS on top of its FLOPs: cutting
-    # the batch in two leaves the FLOPs alone and adds exactly one PASS, measured at the
-    # larger unit point and scaled to every unit of every layer.
+    # the batch into m parts leaves the FLOPs alone and adds m - 1 PASSes, so each
+    # micro-batch beyond the first costs one PASS, measured at the larger unit point and
+    # scaled to every unit of every layer — whether the batch is cut in two or in four.
     PASS = 1e6
     passes = [0]
     real_out = measure.module_out
@@ -221,7 +222,7 @@ def test_split_cost_is_what_one_more_pass_adds_scaled_to_the_whole_step(
 
     monkeypatch.setattr(measure, "module_out", counting_out)
     monkeypatch.setattr(measure, "best_time", clock)
-    times = measure_segments(SHAPE, repeats=1)
+    times = measure_segments(replace(SHAPE, batch_size=measure.SPLIT_PASSES), repeats=1)
     totals = segment_units(SHAPE.cfg, SHAPE.mlp_chunk, SHAPE.vocab_chunk)
     layers = SHAPE.cfg.num_layers
     for seg in ("attn", "mlp", "vocab"):
@@ -230,6 +231,8 @@ def test_split_cost_is_what_one_more_pass_adds_scaled_to_the_whole_step(
         scale = totals[seg] / u * (1 if seg == "vocab" else layers)
         # FlopCounter counts are exact integers; only the float scaling rounds
         assert times.split_s[seg] == pytest.approx(PASS * scale, rel=1e-9), seg
+    two = measure_segments(SHAPE, repeats=1)  # two sequences: cut in two
+    assert SHAPE.batch_size == 2 and two.split_s == pytest.approx(times.split_s, rel=1e-9)
     one = measure_segments(replace(SHAPE, batch_size=1), repeats=1)
     assert one.split_s == {"attn": 0.0, "mlp": 0.0, "vocab": 0.0}  # one sequence: no cut
 

@@ -248,15 +248,30 @@ class SegmentTimes:
     """What cutting the batch in two adds to ``embed_s``."""
 
 
+SPLIT_PASSES = 4
+"""The batch is cut into this many micro-batches (at most one sequence each) to measure what
+each one beyond the first adds. Cut in two, the difference was one extra pass against the
+noise of two timings: it came out 0 for the attention in some profiles, and the pipeline
+planner then chose four micro-batches where two were faster (predicted 0.545 s, measured
+0.788 s on loopback). Cut in four, the signal is three passes."""
+
+
+def per_extra_pass(many: float, one: float, passes: int) -> float:
+    """Seconds each micro-batch beyond the first adds, from a step cut into ``passes``
+    (``many`` seconds) and the same step whole (``one``); never negative."""
+    return max(many - one, 0.0) / (passes - 1) if passes > 1 else 0.0
+
+
 def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
     """Fitted per-step cost curves of attn / mlp / vocab, the replicated seconds, and what
-    cutting the batch in two costs (measured at the larger unit point, scaled to all units;
-    0 for a batch of one sequence, which cannot be cut)."""
+    each micro-batch beyond the first costs (the batch cut into up to
+    :data:`SPLIT_PASSES`, measured at the larger unit point, scaled to all units; 0 for a
+    batch of one sequence, which cannot be cut)."""
     totals = segment_units(shape.cfg, shape.mlp_chunk, shape.vocab_chunk)
     curves: dict[str, CostCurve] = {}
     split: dict[str, float] = {}
     layers = shape.cfg.num_layers
-    cut = shape.batch_size >= 2
+    m = min(SPLIT_PASSES, shape.batch_size)
     time_layer_segment("mlp", 1, shape, repeats=1)  # warm the allocator and the kernels
     for seg in ("attn", "mlp"):
         step = shape.cfg.q_per_kv if seg == "attn" else 1
@@ -265,21 +280,21 @@ def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
         one = fit_line(pts)
         curves[seg] = CostCurve(one.a * layers, one.b * layers)
         u, whole = pts[-1]
-        two = time_layer_segment(seg, u, shape, repeats, passes=2) if cut else whole
-        split[seg] = max(two - whole, 0.0) * layers * totals[seg] / u
+        cut = time_layer_segment(seg, u, shape, repeats, passes=m) if m > 1 else whole
+        split[seg] = per_extra_pass(cut, whole, m) * layers * totals[seg] / u
     vocab = [(u, time_vocab(u, shape, repeats)) for u in unit_points(totals["vocab"])]
     curves["vocab"] = fit_line(vocab)
     u, whole = vocab[-1]
-    two = time_vocab(u, shape, repeats, passes=2) if cut else whole
-    split["vocab"] = max(two - whole, 0.0) * totals["vocab"] / u
+    cut = time_vocab(u, shape, repeats, passes=m) if m > 1 else whole
+    split["vocab"] = per_extra_pass(cut, whole, m) * totals["vocab"] / u
     embed = time_embedding(shape, repeats)
-    embed_two = time_embedding(shape, repeats, passes=2) if cut and embed else embed
+    embed_cut = time_embedding(shape, repeats, passes=m) if m > 1 and embed else embed
     return SegmentTimes(
         curves,
         time_replicated(shape, repeats),
         split,
         embed_s=embed,
-        embed_split_s=max(embed_two - embed, 0.0),
+        embed_split_s=per_extra_pass(embed_cut, embed, m),
     )
 
 

@@ -52,7 +52,14 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
             "torch": torch.__version__,
             "attn_unit": "query head",  # profiles of KV-group units are not reused
             # older profiles are not reused
-            "measures": ["split", "sync", "whole step", "tied embedding", "update", "bulk link"],
+            "measures": [
+                "split by 4",
+                "sync",
+                "whole step",
+                "tied embedding",
+                "update",
+                "bulk link",
+            ],
             "optimizer": "adamw fused",  # the step's optimizer, as the update is timed
         },
         sort_keys=True,
