@@ -119,8 +119,8 @@ def test_a_shard_resumed_from_a_whole_model_takes_the_same_update(tmp_path: Path
         p = whole[name]
         p.grad = torch.randn(p.shape, generator=gen)
         spec = shard_spec(name, CFG, plan, 1)
-        q.grad = p.grad if spec is None else p.grad.narrow(spec.dim, spec.start, q.shape[spec.dim])
-        q.grad = q.grad.clone()
+        part = p.grad if spec is None else p.grad.narrow(spec.dim, spec.start, q.shape[spec.dim])
+        q.grad = part.clone()
         sliced += spec is not None and spec.dim == 1
     assert sliced >= 2  # o_proj and down_proj at least: the strided case is exercised
     trainer.optimizer.step()

@@ -245,14 +245,14 @@ class SegmentTimes:
     embed_s: float = 0.0
     """A tied model's whole embedding (:func:`time_embedding`)."""
     embed_split_s: float = 0.0
-    """What cutting the batch in two adds to ``embed_s``."""
+    """What each micro-batch beyond the first adds to ``embed_s`` (see ``split_s``)."""
 
 
 SPLIT_PASSES = 4
 """The batch is cut into this many micro-batches (at most one sequence each) to measure what
 each one beyond the first adds. Cut in two, the difference was one extra pass against the
 noise of two timings: it came out 0 for the attention in some profiles, and the pipeline
-planner then chose four micro-batches where two were faster (predicted 0.545 s, measured
+planner then chose four micro-batches where fewer were faster (predicted 0.545 s, measured
 0.788 s on loopback). Cut in four, the signal is three passes."""
 
 
