@@ -21,7 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-STRATEGIES = ("auto", "xronos", "tp-even", "single", "pp-gpipe", "pp-1f1b")
+STRATEGIES = ("auto", "xronos", "tp-even", "single", "pp-gpipe", "pp-1f1b", "hybrid")
 #: --lr-schedule choices (what follows the warm-up).
 LR_SCHEDULES = ("linear", "cosine", "constant")
 #: --base-dtype -> torch dtype name.

@@ -4,11 +4,18 @@ batches with a given plan, run on gloo ranks or as the single-device oracle."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
 
 from tests.dist.world import WorkerContext
 from xronos.comm.mappings import TPGroup
+from xronos.metrics import analyze_pipeline_step, is_pipeline
+from xronos.metrics.records import StepRecord
 from xronos.config import ModelConfig
 from xronos.model.lora import LoRAConfig
+from xronos.planner.hybrid import HybridPlan
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.plan import Plan
 from xronos.profiler.measure import Shape
@@ -39,6 +46,7 @@ def job(
     steps: int,
     plan: Plan | None = None,
     pipeline: PipelinePlan | None = None,
+    hybrid: HybridPlan | None = None,
     strategy: Strategy = Strategy.XRONOS,
     batch_size: int = 2,
     keep_records: bool = False,
@@ -56,6 +64,7 @@ def job(
             grad_accum=2,
             plan=plan,
             pipeline=pipeline,
+            hybrid=hybrid,
         ),
         data=RandomBatches(
             cfg.vocab_size, batch_size=batch_size, seq_len=16, grad_accum=2, seed=1, repeat=True
@@ -69,6 +78,22 @@ def job(
 
 def single(j: FinetuneJob) -> WorkerResult:
     """The oracle: the same job with ``single``, in this process, on one device."""
-    spec = dataclasses.replace(j.session, strategy=Strategy.SINGLE, plan=None, pipeline=None)
+    spec = dataclasses.replace(
+        j.session, strategy=Strategy.SINGLE, plan=None, pipeline=None, hybrid=None
+    )
     ctx = WorkerContext(0, 1, "local", TPGroup(), 0.0, ("local",))
     return finetune_worker(ctx, dataclasses.replace(j, session=spec, keep_records=False))
+
+
+def check_pipeline_records(records: Sequence[StepRecord], name: str) -> Counter[str]:
+    """One pipeline step's records add up (compute + transfer + idle = the step, per
+    device) and every message waited for was sent; returns the messages, by name."""
+    assert is_pipeline(records)
+    for d in analyze_pipeline_step(records).devices:
+        assert 0.0 <= d.idle_ratio <= 1.0, (name, d)
+        total = d.compute_s + d.transfer_s + d.idle_s
+        assert total == pytest.approx(d.step_time_s, rel=1e-6, abs=1e-9), (name, d)
+    sent = Counter(s.name[5:] for r in records for s in r.collectives if s.name.startswith("send:"))
+    got = Counter(s.name[5:] for r in records for s in r.collectives if s.name.startswith("recv:"))
+    assert sent == got and sent, name
+    return got

@@ -124,3 +124,31 @@ def test_auto_measures_its_shortlist_and_runs_the_fastest_measured() -> None:
     key = f"{ran['strategy']}:{','.join(map(str, ran['devices']))}"
     assert trials[key] == min(trials.values())
     assert [g["has_session"] for g in got] == [r in ran["devices"] for r in range(2)]
+
+
+@pytest.mark.slow
+def test_auto_runs_a_hybrid_when_it_is_fastest_and_trains_exactly() -> None:
+    """Two fast devices on a fast link and a third as fast on a 100 Mbit/s link: TP over
+    all three pays every all-reduce over the slow link, a pipeline stage on the third pays
+    one message per micro-batch. The planner predicts the hybrid [rank2 -> rank0+rank1]
+    fastest; auto (trusting its predictions) runs it, and it trains as one device does."""
+    profiles = (
+        _profile("rank0", 1.0, 1.25e9),
+        _profile("rank1", 1.0, 1.25e9),
+        _profile("rank2", 1.0, 1.25e7),
+    )
+    job = product.job(CFG, lora=None, steps=3, strategy=Strategy.AUTO)
+    job = dataclasses.replace(
+        job,
+        session=dataclasses.replace(job.session, trial_steps=0),
+        profiles=ProfileSource(memory_caps=(None,) * 3, keys=("",) * 3, cached=profiles),
+    )
+    results = run_world(finetune_worker, 3, job)
+    ref = product.single(job)
+    for r in results:
+        assert r.members == (0, 1, 2)
+        assert [list(g) for g in r.plan["groups"]] == [[2], [0, 1]], r.plan
+        assert r.losses == pytest.approx(ref.losses, rel=LOSS_RTOL)
+    assert ref.state is not None and results[0].state is not None
+    for name, want in ref.state.items():
+        torch.testing.assert_close(results[0].state[name], want, atol=PARAM_ATOL, rtol=1e-4)

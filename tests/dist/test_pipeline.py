@@ -161,20 +161,7 @@ def _check_plain(name: str, job: FinetuneJob, per_rank: list[WorkerResult]) -> N
     result = per_rank[0]
     assert len(result.records) == STEPS, name
     for records in result.records:
-        assert is_pipeline(records)
-        metrics = analyze_pipeline_step(records)
-        for d in metrics.devices:
-            assert 0.0 <= d.idle_ratio <= 1.0, (name, d)
-            total = d.compute_s + d.transfer_s + d.idle_s
-            assert total == pytest.approx(d.step_time_s, rel=1e-6, abs=1e-9), (name, d)
-        # every message waited for on one stage was issued on its neighbour
-        sent = Counter(
-            s.name[5:] for r in records for s in r.collectives if s.name.startswith("send:")
-        )
-        got = Counter(
-            s.name[5:] for r in records for s in r.collectives if s.name.startswith("recv:")
-        )
-        assert sent == got and sent, name
+        product.check_pipeline_records(records, name)
         for r in records:  # the stage ran its schedule, micro-batch by micro-batch
             assert [s.name for s in r.computes] == _expected_computes(job, r.rank), name
 

@@ -95,15 +95,15 @@ def test_more_devices_than_kv_groups() -> None:
 
 
 def _train_without(ctx: WorkerContext, arg: tuple[FinetuneJob, str]) -> WorkerResult:
-    import xronos.train.trainer as trainer
+    import xronos.train.shardgrads as shardgrads
 
     job, dropped = arg
-    original = trainer.partial_grad
+    original = shardgrads.partial_grad
 
     def fewer(name: str) -> bool:  # forget one of the gradient all-reduces LoRA needs
         return original(name) and f"{dropped}" not in name
 
-    trainer.partial_grad = fewer
+    shardgrads.partial_grad = fewer
     return finetune_worker(ctx, job)
 
 
@@ -121,7 +121,7 @@ def test_lora_needs_both_gradient_all_reduces() -> None:
 
 
 def _train_unshared(ctx: WorkerContext, arg: tuple[FinetuneJob, bool]) -> WorkerResult:
-    import xronos.train.trainer as trainer
+    import xronos.train.shardgrads as shardgrads
     from xronos.parallel.shared import SharedRows
 
     job, drop = arg
@@ -130,7 +130,7 @@ def _train_unshared(ctx: WorkerContext, arg: tuple[FinetuneJob, bool]) -> Worker
         def none(named: object, cfg: ModelConfig, plan: Plan, rank: int) -> SharedRows:
             return SharedRows([], cfg, plan, rank)
 
-        trainer.shared_rows = none
+        shardgrads.shared_rows = none
     return finetune_worker(ctx, job)
 
 

@@ -318,13 +318,14 @@ def test_costly_passes_make_the_search_cut_the_batch_less() -> None:
     assert dear.num_microbatches < cheap.num_microbatches
 
 
-def test_the_tied_gradient_swap_is_paid_once_per_step_over_the_end_stages_link() -> None:
+def test_the_tied_rows_exchange_is_paid_once_per_step_over_the_end_stages_link() -> None:
     devices = [stage_device("a", 0, 1.0), stage_device("b", 1, 1.0)]
     plain = search_pipeline(8, devices, batch_size=4, grad_accum=1, act_bytes=1e4)
     tied = search_pipeline(8, devices, batch_size=4, grad_accum=1, act_bytes=1e4, tied_bytes=2e6)
     assert plain is not None and tied is not None
-    # one message of 2 MB over two links of 1 ms and 1 MB/s: 2 ms + 2 s
-    swap = LinkModel(1e-3, 1e6).p2p_s(0.0) * 2 + 2e6 / 1e6
+    # two messages of 2 MB, one after the other (the step's rows there, their gradient
+    # back), each over two links of 1 ms and 1 MB/s: 2 × (2 ms + 2 s)
+    swap = 2 * (LinkModel(1e-3, 1e6).p2p_s(0.0) * 2 + 2e6 / 1e6)
     assert tied.step_extra_s == pytest.approx(swap)
     assert tied.predicted_step_s == pytest.approx(plain.predicted_step_s + swap)
 

@@ -24,6 +24,7 @@ from xronos.config import ModelConfig
 from xronos.errors import UserError
 from xronos.metrics.rss import MIB
 from xronos.planner.auto import AutoChoice, Candidate, pipeline_needs
+from xronos.planner.hybrid import HybridPlan
 from xronos.planner.memory import tp_need
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.plan import SEGMENTS, Plan
@@ -48,12 +49,20 @@ class Verdict:
 def plan_needs(
     cfg: ModelConfig,
     profiles: Sequence[DeviceProfile],
-    plan: Plan | PipelinePlan,
+    plan: Plan | PipelinePlan | HybridPlan,
     totals: Mapping[str, int],
 ) -> list[int]:
-    """Per device (rank order): the bytes its part of ``plan`` needs (0: no part)."""
+    """Per device (rank order): the bytes its part of ``plan`` needs (0: no part; a
+    hybrid's TP stage errs high, as its planner does: the whole model's shards)."""
     ranks = {p.name: r for r, p in enumerate(profiles)}
     out = [0] * len(profiles)
+    if isinstance(plan, HybridPlan):  # the TP stage's members: their whole-model shards
+        pipe = pipeline_needs(cfg, profiles, plan.pipeline, totals)
+        for group, need in zip(plan.groups, pipe, strict=True):
+            for i, r in enumerate(group):
+                split = {s: plan.tp.split(s)[i] for s in SEGMENTS}
+                out[r] = need if len(group) == 1 else tp_need(profiles[r], split)
+        return out
     if isinstance(plan, PipelinePlan):
         for r, need in zip(
             plan.stage_ranks, pipeline_needs(cfg, profiles, plan, totals), strict=True
@@ -66,9 +75,11 @@ def plan_needs(
     return out
 
 
-def plan_from_dict(d: Mapping[str, Any]) -> Plan | PipelinePlan | None:
+def plan_from_dict(d: Mapping[str, Any]) -> Plan | PipelinePlan | HybridPlan | None:
     """A session's described plan (None for anything else)."""
     try:
+        if "groups" in d:
+            return HybridPlan.from_dict(d)
         return PipelinePlan.from_dict(dict(d)) if "layer_ranges" in d else Plan.from_dict(dict(d))
     except (KeyError, TypeError, ValueError, UserError):  # a description, not a plan
         return None
@@ -81,11 +92,15 @@ def _candidate(choice: AutoChoice, s: Strategy, fastest: int) -> Candidate | Non
         Strategy.SINGLE: ("single", (fastest,)),
         Strategy.XRONOS: ("xronos", tuple(range(n))),
         Strategy.TP_EVEN: ("tp-even", None),
+        Strategy.HYBRID: ("hybrid", None),
     }.get(s, ("pp-1f1b", None))
-    for c in choice.candidates:
-        if c.strategy == want[0] and (want[1] is None or c.devices == want[1]):
-            return c
-    return None
+    found = [
+        c
+        for c in choice.candidates
+        if c.strategy == want[0] and (want[1] is None or c.devices == want[1])
+    ]
+    # the best feasible one (what runs), else the first with its reason
+    return min(found, key=lambda c: (not c.feasible, c.predicted_step_s), default=None)
 
 
 def verdicts(
@@ -105,20 +120,23 @@ def verdicts(
     planner found no plan that fits, and the reason names the device, its predicted
     resident memory (runtime included) and its cap, in MiB."""
     out: dict[Strategy, Verdict] = {}
-    runnable = [c for c in choice.candidates if c.feasible and c.strategy != "hybrid"]
+    runnable = [c for c in choice.candidates if c.feasible]
     for s in strategies:
         if s is Strategy.AUTO:
             best = min(runnable, key=lambda c: c.predicted_step_s) if runnable else None
             if best is None:
                 out[s] = Verdict(None, "no strategy fits the devices' memory")
-            elif isinstance(best.plan, Plan | PipelinePlan):
+            elif isinstance(best.plan, Plan | PipelinePlan | HybridPlan):
                 out[s] = Verdict(tuple(plan_needs(cfg, profiles, best.plan, totals)))
             else:
                 out[s] = Verdict(None)
             continue
         c = _candidate(choice, s, fastest)
-        plan: Plan | PipelinePlan | None = None
-        if c is not None and isinstance(c.plan, Plan | PipelinePlan):
+        if c is None and s is Strategy.HYBRID:
+            out[s] = Verdict(None, "no hybrid: it needs two devices on faster links than a third's")
+            continue
+        plan: Plan | PipelinePlan | HybridPlan | None = None
+        if c is not None and isinstance(c.plan, Plan | PipelinePlan | HybridPlan):
             plan = c.plan
         elif s is Strategy.SINGLE:
             plan = Plan.single(cfg, profiles[fastest].name)

@@ -250,10 +250,13 @@ def predictions(
         return {}
 
     def candidate(name: str, devices: tuple[int, ...] | None = None) -> float | None:
-        for c in choice.candidates:
-            if c.strategy == name and c.feasible and (devices is None or c.devices == devices):
-                return c.predicted_step_s
-        return None
+        """The best feasible prediction of that kind (the one its session runs)."""
+        found = [
+            c.predicted_step_s
+            for c in choice.candidates
+            if c.strategy == name and c.feasible and (devices is None or c.devices == devices)
+        ]
+        return min(found, default=None)
 
     out: dict[Strategy, float | None] = {}
     for s in job.strategies:
@@ -261,6 +264,8 @@ def predictions(
             out[s] = candidate("single", (job.fastest,))
         elif s is Strategy.TP_EVEN:
             out[s] = candidate("tp-even")
+        elif s is Strategy.HYBRID:
+            out[s] = candidate("hybrid")
         elif s.is_pipeline:
             out[s] = candidate("pp-1f1b")
         elif s is Strategy.XRONOS and s in logs:

@@ -215,13 +215,14 @@ def build_model(
         embed: pipeline stage: hold the token embedding.
         head: pipeline stage: hold the final norm and the LM head (and, if tied, the
             embedding matrix it shares).
+
+    A stage on a group of several ranks (a hybrid's tensor-parallel stage) is both: the
+    parts it holds are sharded by ``plan`` over ``group``.
     """
     if plan.world_size != group.size:
         raise ValueError(f"plan has {plan.world_size} devices but the group has {group.size}")
     plan.check(cfg)
     stage = layers is not None or not embed or not head
-    if stage and group.size > 1:
-        raise ValueError("a pipeline stage is built on one device (a TP group of size 1)")
     held = layers if layers is not None else (0, cfg.num_layers)
     model = build_meta(cfg, lora, seed)
     materialise(
@@ -259,16 +260,20 @@ def _read(reader: ModelReader, name: str, spec: ShardSpec | None) -> torch.Tenso
 
 
 def wire_seams(model: LlamaForCausalLM, cfg: ModelConfig, plan: Plan, group: TPGroup) -> None:
-    """Install the collectives: two conjugate pairs per block, a vocab-parallel head."""
+    """Install the collectives: two conjugate pairs per block, a vocab-parallel head (on
+    the parts this rank holds: a tensor-parallel pipeline stage has :class:`Absent` ones)."""
     for i, layer in enumerate(cast("list[Block]", model.model.layers)):
+        if isinstance(layer, Absent):
+            continue
         attn, mlp = segment_kind("attn", i), segment_kind("mlp", i)
         layer.self_attn.enter = CopyToTP(group, f"L{i}.attn.in", attn)
         layer.self_attn.exit = ReduceFromTP(group, f"L{i}.attn.out", attn)
         layer.mlp.enter = CopyToTP(group, f"L{i}.mlp.in", mlp)
         layer.mlp.exit = ReduceFromTP(group, f"L{i}.mlp.out", mlp)
     v0, _ = plan.bounds("vocab", group.rank, cfg.vocab_size)
-    model.head = VocabParallelHead(model.lm_head, v0, cfg.vocab_size, group)
-    if cfg.tie_word_embeddings:
+    if not isinstance(model.lm_head, Absent):
+        model.head = VocabParallelHead(model.lm_head, v0, cfg.vocab_size, group)
+    if cfg.tie_word_embeddings and not isinstance(model.model.embed_tokens, Absent):
         model.model.embed_tokens = VocabParallelEmbedding(  # type: ignore[assignment]
             model.model.embed_tokens.weight, v0, group
         )

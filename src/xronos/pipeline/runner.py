@@ -1,4 +1,5 @@
-"""Pipeline-parallel (PP) training: the GPipe and 1F1B baselines Xronos is compared against.
+"""Pipeline-parallel (PP) training: the GPipe and 1F1B baselines Xronos is compared against,
+and the hybrid whose one stage is tensor-parallel.
 
 Stage ``j`` runs on rank ``j`` of the world group and holds the decoder layers of
 ``PipelinePlan.layer_ranges[j]``; stage 0 also holds the embedding, the last stage the final
@@ -13,15 +14,21 @@ micro-batches (:func:`~xronos.pipeline.schedule.split_microbatches`), the stage'
 activations and their gradients, then one all-reduce of ``[Σ grad², loss]`` across stages
 for global-norm clipping and the loss, then AdamW on the stage's parameters.
 
+**A hybrid** (``stage_groups``, :mod:`xronos.pipeline.layout`): one stage runs on several
+ranks as heterogeneous TP under ``tp_plan`` — its layers (and embedding or head) sharded,
+its seams all-reduced within the stage, its partial gradients summed there
+(:class:`~xronos.train.shardgrads.ShardGrads`) before the norm. Every member receives the
+stage's input; the leader alone sends its output and its input's gradient on, and alone
+adds the loss.
+
 **Exactness.** Loss = Σ cross-entropy / global label count of the whole step, as in
 :class:`~xronos.train.trainer.Trainer`: the last stage divides each micro-batch's summed
 CE by the step's label count (every rank has the data, so no communication is needed).
-Tied embeddings: the last stage keeps its own copy of the embedding matrix as its LM head
-weight; after the schedule stages 0 and n-1 swap their gradients of it (``tied/...``
-messages) and both use ``g_embed + g_head``, so both copies take bit-identical AdamW
-updates; the norm counts the matrix once. LoRA dropout generators are saved at each step's
-start so :meth:`PipelineRunner.isolated_compute` replays the same masks and leaves the
-generators where the step left them.
+Tied embeddings: the last stage owns the matrix (its LM head) and updates it; the first
+stage reads the rows of each step's tokens from it and sends back their gradient
+(:mod:`xronos.pipeline.tied`), so the matrix counts once in the norm. LoRA dropout
+generators are saved at each step's start so :meth:`PipelineRunner.isolated_compute`
+replays the same masks and leaves the generators where the step left them.
 
 **Why not** ``torch.distributed.pipelining``: its schedules post each receive just before
 waiting on it (no overlap of arrival with compute) and wait inside the library, with no
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -43,22 +51,25 @@ from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
 from xronos.metrics.recorder import SpanRecorder, current_recorder
 from xronos.metrics.records import Span
-from xronos.model.llama import LlamaForCausalLM
-from xronos.model.lora import LoRALinear, add_lora
-from xronos.parallel.shard import build_model, stage_holds
+from xronos.model.lora import LoRALinear
+from xronos.parallel.gather import gather_state
+from xronos.parallel.shard import build_model
+from xronos.pipeline.gather import gather_stages
+from xronos.pipeline.layout import StageLayout
 from xronos.pipeline.schedule import (
     P2P,
     STRATEGIES,
-    TIED_TAG,
     act_tag,
     grad_tag,
     schedule,
     split_microbatches,
 )
+from xronos.pipeline.tied import TiedRows
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.plan import Plan
 from xronos.train.batches import Batch, label_count
 from xronos.train.optim import OptimConfig, adamw, update
+from xronos.train.shardgrads import ShardGrads
 from xronos.train.source import ModelSource
 
 ACT_DTYPE = torch.float32  # the residual stream's dtype (stages are built in fp32)
@@ -91,13 +102,17 @@ class PipelineRunner:
         strategy: str = "pp-1f1b",
         timeout_s: float = 120.0,
         stage_ranks: Sequence[int] | None = None,
+        stage_groups: Sequence[Sequence[int]] | None = None,
+        tp_plan: Plan | None = None,
     ) -> None:
         cfg = source.cfg
         if strategy not in STRATEGIES:
             raise UserError(f"unknown pipeline strategy {strategy!r}; use {', '.join(STRATEGIES)}")
-        if pplan.num_stages != group.size:
+        layout = StageLayout.of(group.size, stage_ranks, stage_groups, tp_plan)
+        if pplan.num_stages != len(layout.groups):
+            running = f"{group.size} devices" if layout.plain else f"{len(layout.groups)} stages"
             raise UserError(
-                f"pipeline plan has {pplan.num_stages} stages but {group.size} devices run; "
+                f"pipeline plan has {pplan.num_stages} stages but {running} run; "
                 "plan the pipeline for this cluster"
             )
         if pplan.num_layers != cfg.num_layers:
@@ -106,21 +121,23 @@ class PipelineRunner:
                 f"{cfg.num_layers}; plan the pipeline for this model"
             )
         self.cfg, self.pplan, self.group, self.opt_cfg = cfg, pplan, group, opt
-        self.source, self.timeout_s = source, timeout_s
-        order = list(stage_ranks) if stage_ranks is not None else list(range(group.size))
-        if sorted(order) != list(range(group.size)):
-            raise ValueError(f"stage ranks {order} are not a permutation of the group's ranks")
-        self.stage, self.num_stages = order.index(group.rank), group.size
-        # stage -> global rank (torch's point-to-point calls and broadcast take global ranks)
-        self.ranks = [
-            dist.get_global_rank(group.pg, r) if group.pg is not None else r for r in order
+        self.source, self.timeout_s, self.layout = source, timeout_s, layout
+        self.stage, self.num_stages = layout.stage_of(group.rank), len(layout.groups)
+        self.leader = layout.member(group.rank) == 0
+        # group rank -> global rank (torch's point-to-point calls and broadcast take these)
+        self.globals = [
+            dist.get_global_rank(group.pg, r) if group.pg is not None else r
+            for r in range(group.size)
         ]
+        self.ranks = [self.globals[g[0]] for g in layout.groups]  # each stage's leader
         self.first, self.last = self.stage == 0, self.stage == self.num_stages - 1
         self.layer_range = pplan.layer_ranges[self.stage]
+        self.tp_group = self._tp_group(layout.groups[self.stage])
+        self.stage_plan = layout.plan(cfg, self.stage)
         self.model = build_model(
             cfg,
-            Plan.single(cfg),
-            TPGroup(),
+            self.stage_plan,
+            self.tp_group,
             model_dir=source.model_dir,
             seed=source.seed,
             lora=source.lora,
@@ -128,19 +145,15 @@ class PipelineRunner:
             embed=self.first,
             head=self.last,
         )
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        # A tied matrix that trains: the last stage owns it (:mod:`xronos.pipeline.tied`).
+        self.tied = TiedRows.of(self.model, layout, cfg, group.rank)
+        reader = self.tied.weight if self.tied is not None and self.first else None
+        named = [
+            (n, p) for n, p in self.model.named_parameters() if p.requires_grad and p is not reader
+        ]
         self.params = [p for _, p in named]
-        # Stages 0 and n-1 both hold a tied embedding matrix; they swap its gradient.
-        self.tied = (
-            self.model.model.embed_tokens.weight
-            if cfg.tie_word_embeddings
-            and self.num_stages > 1
-            and (self.first or self.last)
-            and self.model.model.embed_tokens.weight.requires_grad
-            else None
-        )
-        # The tied matrix counts once in the global norm: on stage 0.
-        self.norm_weight = [0.0 if p is self.tied and not self.first else 1.0 for p in self.params]
+        self.grads = ShardGrads(named, cfg, self.stage_plan, self.tp_group)
+        self.norm_weight = self.grads.norm_weight
         self.optimizer = adamw(self.params, opt)
         self.lr = opt.lr
         self.actions = schedule(strategy, self.stage, self.num_stages, pplan.num_microbatches)
@@ -151,12 +164,20 @@ class PipelineRunner:
         # collectives' consistency check (TORCH_DISTRIBUTED_DEBUG=DETAIL) compares.
         self._p2p_group = group
         if group.size > 1:
-            pg = new_group(sorted(self.ranks), timeout_s)
+            pg = new_group(sorted(self.globals), timeout_s)
             self._p2p_group = group.on(pg)
         self._lora = [m for m in self.model.modules() if isinstance(m, LoRALinear)]
         self._step_rng: list[torch.Tensor] = []
         # Per micro-batch of the last step: (received activations, received gradient).
         self._inputs: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+
+    def _tp_group(self, members: Sequence[int]) -> TPGroup:
+        """The tensor-parallel group of this rank's stage (made by its members alone)."""
+        if len(members) == 1:
+            return TPGroup()
+        pg = new_group([self.globals[r] for r in members], self.timeout_s, local=True)
+        k = members.index(self.group.rank)
+        return replace(self.group, rank=k, size=len(members), pg=pg, lanes=())
 
     # -- one training step -----------------------------------------------------------------
     def step(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
@@ -166,8 +187,9 @@ class PipelineRunner:
         mbs = split_microbatches(micro_batches, self.pplan.num_microbatches)
         denom = float(max(label_count(mbs), 1))
         self._step_rng = [m.dropout_gen.get_state() for m in self._lora]
-        p2p = P2P(self._p2p_group, self.pplan.devices, self.timeout_s, self.ranks)
+        p2p = P2P(self._p2p_group, self.layout.names(self.pplan), self.timeout_s, self.globals)
         try:
+            self._read_tied(mbs, p2p)
             loss_sum = self._run_schedule(mbs, denom, p2p)
             self._sync_tied(p2p)
             p2p.drain()
@@ -178,6 +200,7 @@ class PipelineRunner:
 
     def _run_schedule(self, mbs: list[Batch], denom: float, p2p: P2P) -> float:
         j, rec = self.stage, current_recorder()
+        me = self.layout.member(self.group.rank)
         self._post_recvs(mbs, p2p)
         inputs: list[list[torch.Tensor | None]] = [[None, None] for _ in mbs]
         live: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -185,38 +208,49 @@ class PipelineRunner:
         for kind, i in self.actions:
             ids, labels = mbs[i]
             if kind == "F":
-                x = None if self.first else p2p.wait_recv(f"act/mb{i}/{j - 1}->{j}")
+                x = None if self.first else p2p.wait_recv(self._msg("act", i, j - 1, j, me))
                 inputs[i][0] = x
                 live[i] = self._forward(i, ids, labels, x, rec)
                 out = live[i][1]
                 if self.last:
                     total += float(out.detach())
-                else:
-                    p2p.send(
-                        f"act/mb{i}/{j}->{j + 1}", j + 1, out.detach().to(ACT_DTYPE), act_tag(i)
-                    )
+                elif self.leader:
+                    self._send_on(p2p, "act", i, j + 1, out.detach().to(ACT_DTYPE), act_tag(i))
             else:
-                g = None if self.last else p2p.wait_recv(f"grad/mb{i}/{j + 1}->{j}")
+                g = None if self.last else p2p.wait_recv(self._msg("grad", i, j + 1, j, me))
                 inputs[i][1] = g
                 x_in, out = live.pop(i)
                 self._backward(i, out, g, denom, rec)
-                if x_in is not None:
+                if x_in is not None and self.leader:
                     dx = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
-                    p2p.send(f"grad/mb{i}/{j}->{j - 1}", j - 1, dx.to(ACT_DTYPE), grad_tag(i))
+                    self._send_on(p2p, "grad", i, j - 1, dx.to(ACT_DTYPE), grad_tag(i))
         self._inputs = [(x, g) for x, g in inputs]
-        return total
+        return total if self.leader else 0.0  # a TP stage's members share one loss
+
+    def _msg(self, kind: str, i: int, src: int, dst: int, k: int) -> str:
+        """The name of micro-batch ``i``'s ``kind`` message from ``src`` to member ``k`` of
+        stage ``dst``."""
+        return f"{kind}/mb{i}/{src}->{self.layout.end(dst, k)}"
+
+    def _send_on(self, p2p: P2P, kind: str, i: int, dst: int, t: torch.Tensor, tag: int) -> None:
+        """Send ``t`` to every member of stage ``dst`` (the leader's job)."""
+        for k, r in enumerate(self.layout.groups[dst]):
+            p2p.send(self._msg(kind, i, self.stage, dst, k), r, t, tag)
 
     def _post_recvs(self, mbs: list[Batch], p2p: P2P) -> None:
         """Post every receive of the step up front, so data lands while the stage computes."""
         j, h = self.stage, self.cfg.hidden_size
+        me, groups = self.layout.member(self.group.rank), self.layout.groups
         for i, (ids, _) in enumerate(mbs):
             shape = (*ids.shape, h)  # (B_i, S, H)
             if not self.first:
                 buf = torch.empty(shape, dtype=ACT_DTYPE)
-                p2p.post_recv(f"act/mb{i}/{j - 1}->{j}", j - 1, buf, act_tag(i))
+                p2p.post_recv(self._msg("act", i, j - 1, j, me), groups[j - 1][0], buf, act_tag(i))
             if not self.last:
                 buf = torch.empty(shape, dtype=ACT_DTYPE)
-                p2p.post_recv(f"grad/mb{i}/{j + 1}->{j}", j + 1, buf, grad_tag(i))
+                p2p.post_recv(
+                    self._msg("grad", i, j + 1, j, me), groups[j + 1][0], buf, grad_tag(i)
+                )
 
     def _forward(
         self,
@@ -253,31 +287,28 @@ class PipelineRunner:
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _read_tied(self, mbs: list[Batch], p2p: P2P) -> None:
+        if self.tied is not None:
+            ids = torch.unique(torch.cat([ids.reshape(-1) for ids, _ in mbs]))
+            self.tied.read(ids, p2p)
+
     def _sync_tied(self, p2p: P2P) -> None:
-        """Stages 0 and n-1 swap their gradients of the tied matrix; both keep the sum."""
-        if self.tied is None:
-            return
-        mine = self.tied.grad if self.tied.grad is not None else torch.zeros_like(self.tied)
-        peer = self.num_stages - 1 if self.first else 0
-        a, b = self.stage, peer
-        theirs = torch.empty_like(mine)
-        p2p.post_recv(f"tied/{b}->{a}", peer, theirs, TIED_TAG)
-        p2p.send(f"tied/{a}->{b}", peer, mine, TIED_TAG)
-        theirs = p2p.wait_recv(f"tied/{b}->{a}")
-        # The same sum in the same order on both stages: bit-identical gradients.
-        self.tied.grad = mine + theirs if self.first else theirs + mine
+        if self.tied is not None:
+            self.tied.sync(p2p)
 
     def _update(self, loss_sum: float, denom: float) -> tuple[float, float]:
-        """All-reduce [Σ grad², loss] across stages, clip by the global norm, AdamW."""
+        """All-reduce [Σ grad², loss] across stages, clip by the global norm, AdamW (a TP
+        stage first completes its partial gradients among its members)."""
+        self.grads.sync()
         vec = torch.zeros(2, dtype=torch.float64)
         grads = [
-            p.grad.detach()
+            self.grads.countable(p, p.grad.detach())
             for p, w in zip(self.params, self.norm_weight, strict=True)
             if p.grad is not None and w
         ]
         if grads:  # per-tensor norms in fp32, their squares summed in fp64 (as the TP step)
             vec[0] = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
-        vec[1] = loss_sum  # only the last stage has a loss; the others add 0
+        vec[1] = loss_sum  # only the last stage's leader has a loss; the others add 0
         self.group.all_reduce(vec, "grads.norm")
         norm = float(vec[0].sqrt())
         self.lr = update(self.optimizer, self.params, self.opt_cfg, norm, self.steps_done)
@@ -299,7 +330,7 @@ class PipelineRunner:
         if self._inputs is None or len(self._inputs) != len(mbs):
             raise RuntimeError("isolated_compute needs the batches of a completed step()")
         denom = float(max(label_count(mbs), 1))
-        rec = SpanRecorder(self.stage, self.pplan.devices[self.stage])
+        rec = SpanRecorder(self.stage, self.layout.names(self.pplan)[self.group.rank])
         self._barrier()
         with self._replay_rng():
             rec.start_step(self.steps_done - 1)
@@ -329,6 +360,8 @@ class PipelineRunner:
                 m.dropout_gen.set_state(state)
             for p in self.params:
                 p.grad = None
+            if self.tied is not None:
+                self.tied.weight.grad = None
 
     def _barrier(self) -> None:
         if self.group.size > 1:
@@ -342,35 +375,23 @@ class PipelineRunner:
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters by Hugging Face name (a stage-local checkpoint)."""
+        """This stage's parameters by Hugging Face name, whole (a TP stage's members
+        gather their shards: collective over the stage)."""
+        if self.tp_group.size > 1:
+            return gather_state(self.model, self.cfg, self.stage_plan, self.tp_group)
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
     def gather_state(self) -> dict[str, torch.Tensor]:
-        """Every stage's parameters on every rank, by Hugging Face name (the full model).
-
-        Names and shapes come from the config (a ``meta`` model), so each stage broadcasts
-        one flat fp32 vector and nothing is pickled.
-        """
-        if self.group.size == 1:
-            return {n: t.clone() for n, t in self.state_dict().items()}
-        with torch.device("meta"):
-            full = LlamaForCausalLM(self.cfg)
-            if self.source.lora is not None:
-                add_lora(full, self.source.lora, seed=self.source.seed)
-        shapes = {n: p.shape for n, p in full.named_parameters()}
-        out: dict[str, torch.Tensor] = {}
+        """Every stage's parameters on every rank, by Hugging Face name (the full model;
+        :func:`~xronos.pipeline.gather.gather_stages`)."""
         mine = self.state_dict()
-        for s, rng in enumerate(self.pplan.layer_ranges):
-            first, last = s == 0, s == self.num_stages - 1
-            names = [
-                n for n in shapes if n not in out and stage_holds(n, self.cfg, rng, first, last)
-            ]
-            numel = sum(shapes[n].numel() for n in names)
-            if s == self.stage:
-                flat = torch.cat([mine[n].reshape(-1).float() for n in names])
-            else:
-                flat = torch.empty(numel, dtype=torch.float32)
-            dist.broadcast(flat, src=self.ranks[s], group=self.group.pg)
-            for n, part in zip(names, flat.split([shapes[n].numel() for n in names]), strict=True):
-                out[n] = part.view(shapes[n]).clone()
-        return out
+        if self.group.size == 1:
+            return {n: t.clone() for n, t in mine.items()}
+        return gather_stages(
+            self.source,
+            self.pplan.layer_ranges,
+            mine if self.leader else None,
+            self.stage,
+            self.ranks,
+            self.group,
+        )

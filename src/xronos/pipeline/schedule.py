@@ -114,7 +114,7 @@ def split_microbatches(batches: Sequence[Batch], m: int) -> list[Batch]:
     return out
 
 
-ACT_TAG, GRAD_TAG, TIED_TAG = 0, 1, 1 << 20
+ACT_TAG, GRAD_TAG, TIED_TAG, TIED_ROWS_TAG = 0, 1, 1 << 20, (1 << 20) + 1
 
 
 def act_tag(mb: int) -> int:
@@ -134,12 +134,13 @@ def _issued(work: dist.Work | None, msg: str) -> dist.Work:
 class P2P:
     """This stage's in-flight point-to-point messages for one step.
 
+    Peers are the group's ranks: ``src``/``dst`` index ``devices`` and ``ranks``.
+
     Args:
         group: the pipeline's group.
-        devices: device name per stage (for error messages).
+        devices: device name per group rank (for error messages).
         timeout_s: bound on every wait.
-        ranks: the global rank that runs each stage (default: stage ``j`` on rank ``j``).
-        timeout_s: bound on every wait.
+        ranks: the global rank of each group rank (default: the same numbers).
     """
 
     def __init__(
@@ -150,14 +151,14 @@ class P2P:
         ranks: Sequence[int] | None = None,
     ) -> None:
         self.group, self.devices = group, tuple(devices)
-        # stage -> global rank (torch's point-to-point calls take global ranks)
+        # group rank -> global rank (torch's point-to-point calls take global ranks)
         self.ranks = tuple(ranks) if ranks is not None else tuple(range(len(self.devices)))
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._recvs: dict[str, tuple[dist.Work, torch.Tensor, int]] = {}
         self._sends: list[tuple[str, Future[dist.Work], torch.Tensor, int]] = []
 
     def post_recv(self, msg: str, src: int, buf: torch.Tensor, tag: int) -> None:
-        """Start receiving ``msg`` from stage ``src`` into ``buf`` (returns at once)."""
+        """Start receiving ``msg`` from rank ``src`` into ``buf`` (returns at once)."""
         work = dist.irecv(buf, src=self.ranks[src], group=self.group.pg, tag=tag)
         self._recvs[msg] = (_issued(work, msg), buf, src)
 
@@ -169,7 +170,7 @@ class P2P:
         return buf
 
     def send(self, msg: str, dst: int, t: torch.Tensor, tag: int) -> None:
-        """Start sending ``t`` to stage ``dst`` (span ``send:<msg>`` around the issue only)."""
+        """Start sending ``t`` to rank ``dst`` (span ``send:<msg>`` around the issue only)."""
         t, peer = t.contiguous(), self.ranks[dst]
         links = self.group.links if self.group.delays() is not None else None
 
@@ -223,6 +224,6 @@ class P2P:
         name = self.devices[peer] if peer < len(self.devices) else f"rank {peer}"
         secs = self.timeout.total_seconds()
         return (
-            f"pipeline: {what} {msg} with stage {peer} (device {name!r}) did not finish "
+            f"pipeline: {what} {msg} with rank {peer} (device {name!r}) did not finish "
             f"within {secs:.0f} s; that device is stuck or gone ({cause or 'timed out'})"
         )

@@ -1,5 +1,6 @@
-"""Pipeline sessions (``pp-gpipe``, ``pp-1f1b``): a :class:`PipelineRunner` behind the
-loop's :class:`~xronos.train.session.Session` seam.
+"""Pipeline sessions (``pp-gpipe``, ``pp-1f1b``, and ``hybrid``: one stage run as tensor
+parallelism by several devices): a :class:`PipelineRunner` behind the loop's
+:class:`~xronos.train.session.Session` seam.
 
 Evaluation and checkpoints use the whole model gathered on rank 0, so a pipeline run
 evaluates and exports exactly like a tensor-parallel one. Its checkpoints hold the weights
@@ -9,6 +10,7 @@ and the step but not the optimizer state: a pipeline run cannot be resumed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from xronos.errors import UserError
 from xronos.metrics.records import Span
 from xronos.model.llama import LlamaForCausalLM
 from xronos.pipeline.runner import PipelineRunner
+from xronos.planner.hybrid import HybridPlan
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.plan import Plan
 from xronos.train.batches import Batch, label_count
@@ -27,6 +30,14 @@ from xronos.train.generate import evaluate
 from xronos.train.optim import OptimConfig
 from xronos.train.session import EvalResult, EvalSpec, StepResult, Strategy
 from xronos.train.source import ModelSource
+
+
+@dataclass(frozen=True)
+class HybridStages:
+    """A hybrid's plan and, per stage, the ranks of the session's group that run it."""
+
+    plan: HybridPlan
+    groups: tuple[tuple[int, ...], ...]
 
 
 class PipelineSession:
@@ -42,26 +53,31 @@ class PipelineSession:
         timeout_s: float = 120.0,
         stage_ranks: Sequence[int] | None = None,
         anchored: bool = False,
+        hybrid: HybridStages | None = None,
     ) -> None:
         """``stage_ranks``: which rank of ``group`` runs each stage (default: in order);
         ``anchored``: the stage on the group's rank 0 evaluates and writes checkpoints (it
-        runs on the coordinator, which alone holds the run directory)."""
+        runs on the coordinator, which alone holds the run directory); ``hybrid``: the
+        ranks of each stage, one stage tensor-parallel (``strategy`` ``hybrid``, run with
+        the 1F1B schedule)."""
         if not strategy.is_pipeline:
             raise ValueError(f"{strategy} is not a pipeline strategy")
+        if (strategy is Strategy.HYBRID) != (hybrid is not None):
+            raise ValueError("a hybrid session needs its stage groups, and only it")
         self.source, self.pplan, self.group, self.strategy = source, pplan, group, strategy
-        self.stage_ranks = list(stage_ranks) if stage_ranks is not None else list(range(group.size))
-        self.anchored = anchored
+        self.hybrid, self.anchored = hybrid, anchored
         self.runner = PipelineRunner(
             source,
             pplan,
             group,
             optim,
-            strategy=strategy.value,
+            strategy="pp-1f1b" if hybrid is not None else strategy.value,
             timeout_s=timeout_s,
             stage_ranks=stage_ranks,
+            stage_groups=hybrid.groups if hybrid is not None else None,
+            tp_plan=hybrid.plan.tp if hybrid is not None else None,
         )
-        m = pplan.num_microbatches
-        self.max_events = 6 * m + 8  # ≤ 2 computes + 4 p2p spans per micro-batch, tied, norm
+        self.max_events = self.runner.layout.max_events(source.cfg, pplan.num_microbatches)
 
     @property
     def steps_done(self) -> int:
@@ -79,8 +95,8 @@ class PipelineSession:
         ranges = self.pplan.layer_ranges
         evaluator = max(range(len(ranges)), key=lambda j: (ranges[j][1] - ranges[j][0], j))
         if self.anchored:  # the coordinator alone writes: the stage on its rank
-            evaluator = self.stage_ranks.index(0)
-        if self.runner.stage != evaluator:
+            evaluator = self.runner.layout.stage_of(0)
+        if self.runner.stage != evaluator or not self.runner.leader:
             return None
         model = self.source.build(Plan.single(self.source.cfg), TPGroup())
         params = dict(model.named_parameters())
@@ -124,7 +140,7 @@ class PipelineSession:
         return self.runner.isolated_compute(micro)
 
     def describe(self) -> dict[str, Any]:
-        return self.pplan.to_dict()
+        return self.hybrid.plan.to_dict() if self.hybrid is not None else self.pplan.to_dict()
 
     def close(self) -> None:
         self.runner.close()

@@ -164,6 +164,9 @@ class _Job:
     act_bytes: float
     tp_kwargs: Mapping[str, Any]
     max_permuted: int
+    tied_bytes: float = 0.0
+    """A pipeline's end stages send each way, per step, the tied matrix's rows of the
+    step's tokens (0: untied or frozen)."""
 
     def singles(self) -> list[Candidate]:
         out = []
@@ -232,7 +235,7 @@ class _Job:
             grad_accum=self.grad_accum,
             act_bytes=self.act_bytes,
             max_permuted=self.max_permuted,
-            tied_bytes=max(p.tied_grad_bytes for p in self.profiles),
+            tied_bytes=self.tied_bytes,
         )
         if plan is None:
             return Candidate("pp-1f1b", (), math.inf, None, False, "no stage split fits memory")
@@ -256,6 +259,7 @@ class _Job:
             act_bytes=self.act_bytes,
             tp_kwargs=self.tp_kwargs,
             max_permuted=self.max_permuted,
+            tied_bytes=self.tied_bytes,
         ):
             if h is None:
                 out.append(Candidate("hybrid", (), math.inf, None, False, why))
@@ -282,12 +286,10 @@ def pipeline_needs(
 ) -> list[int]:
     """Bytes each stage of ``plan`` needs on its device (stage order; see
     :func:`~xronos.planner.memory.stage_need`); ``profiles`` in rank order, ``totals``
-    the model's units per segment. With a tied embedding and more than one stage, the
-    first and the last stage also swap its gradient after the schedule: each receives the
-    other's and sums them into a new tensor, two fp32 copies of the matrix for a moment
-    (counted for adapters too, whose frozen embedding swaps nothing: errs high there)."""
+    the model's units per segment. A tied embedding's exchange between the end stages
+    moves only the rows of a step's tokens (:mod:`xronos.pipeline.tied`): no more than the
+    activations already counted."""
     last = len(plan.layer_ranges) - 1
-    swap = 2 * 4 * cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings and last else 0
     return [
         stage_need(
             profiles[r],
@@ -298,9 +300,16 @@ def pipeline_needs(
             last=j == last,
             tied=cfg.tie_word_embeddings,
         )
-        + (swap if j in (0, last) else 0)
         for j, (r, (a, b)) in enumerate(zip(plan.stage_ranks, plan.layer_ranges, strict=True))
     ]
+
+
+def tied_rows_bytes(cfg: ModelConfig, profiles: Sequence[DeviceProfile], tokens: int) -> float:
+    """Bytes of the tied matrix's rows of one step's ``tokens`` (at most the vocabulary),
+    fp32; 0 when the matrix does not train (the profiles say: untied, or adapters)."""
+    if not any(p.tied_grad_bytes for p in profiles):
+        return 0.0
+    return 4.0 * min(cfg.vocab_size, tokens) * cfg.hidden_size
 
 
 def _short_of_memory(members: Sequence[DeviceProfile], needs: Sequence[int]) -> str:
@@ -371,6 +380,7 @@ def plan_auto(
         act_bytes=4.0 * batch_size * seq_len * cfg.hidden_size,
         tp_kwargs={**chunks, "replicated_share": replicated_share},
         max_permuted=max_permuted,
+        tied_bytes=tied_rows_bytes(cfg, profiles, batch_size * seq_len * grad_accum),
     )
     candidates = job.singles()
     if len(profiles) > 1:

@@ -53,6 +53,30 @@ class HybridPlan:
             "tp": self.tp.to_dict(),
         }
 
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Every device that runs a stage, in stage order (a TP stage's in its order)."""
+        out: list[str] = []
+        for j, g in enumerate(self.groups):
+            out += list(self.tp.devices) if len(g) > 1 else [self.pipeline.devices[j]]
+        return tuple(out)
+
+    def table(self) -> str:
+        """The stages' table, then the tensor-parallel stage's plan."""
+        j = next(j for j, g in enumerate(self.groups) if len(g) > 1)
+        return (
+            f"{self.pipeline.table()}\nstage {j}, tensor-parallel over "
+            f"{', '.join(self.tp.devices)}:\n{self.tp.table()}"
+        )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> HybridPlan:
+        return cls(
+            tuple(tuple(int(r) for r in g) for g in d["groups"]),
+            PipelinePlan.from_dict(dict(d["pipeline"])),
+            Plan.from_dict(dict(d["tp"])),
+        )
+
 
 def fast_groups(links: Sequence[LinkModel]) -> list[tuple[int, ...]]:
     """Rank groups of fast links: for each bandwidth threshold, the ranks at or above it,
@@ -103,8 +127,10 @@ def plan_hybrids(
     act_bytes: float,
     tp_kwargs: Mapping[str, Any],
     max_permuted: int = 5,
+    tied_bytes: float = 0.0,
 ) -> list[tuple[HybridPlan | None, str]]:
-    """Per fast group: the best hybrid (None, with the reason, when there is none)."""
+    """Per fast group: the best hybrid (None, with the reason, when there is none);
+    ``tied_bytes`` as for :func:`~xronos.planner.pipesearch.search_pipeline`."""
     links = [p.link for p in profiles]
     if any(x is None for x in links):
         return []
@@ -127,6 +153,7 @@ def plan_hybrids(
             act_bytes=act_bytes,
             max_permuted=max_permuted,
             must=0,
+            tied_bytes=tied_bytes,
         )
         if pplan is None or not math.isfinite(pplan.predicted_step_s):
             out.append((None, f"tp group {names}: no stage split fits in memory"))

@@ -104,9 +104,9 @@ def stage_need(
     """Bytes ``p`` needs for a pipeline stage of ``layers`` decoder layers: the replicated
     part, the layers' share of the attention and MLP units, the LM head on the last stage
     and, when the embedding is tied to the head, the embedding on a first stage that is
-    not also the last (it is a separate copy there, with its own gradient and moments;
-    counted as the head's bytes, which also covers the logits' activations the first
-    stage does not hold, so this errs high by those)."""
+    not also the last (a copy there, with its own gradient; counted as the head's bytes,
+    moments included, which the copy does not keep — it is updated by the last stage — nor
+    does the first stage hold the logits' activations: this errs high by those)."""
     per_layer = (
         unit_bytes(p, "attn") * totals["attn"] + unit_bytes(p, "mlp") * totals["mlp"]
     ) // max(num_layers, 1)

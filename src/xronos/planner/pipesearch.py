@@ -23,9 +23,10 @@ exactly. This module searches around it, all of it pure:
 A step (one optimizer step, ``grad_accum`` batches) is predicted as GPipe/1F1B's
 ``Σ_j t_j + (m − 1) · max_j t_j``, and for each order and ``m`` the layer split minimises
 exactly that (``plan_pipeline(..., exact_step=True)``). With a tied embedding that trains,
-the first and last stages also swap its gradient once per step (both ways at once): one
-message of ``tied_bytes`` over their pair's link, added to the step (``step_extra_s``) —
-over a slow link often more than the whole schedule. Then every stage updates its own
+the last stage sends the first the rows of the step's tokens before the schedule and gets
+their gradient back after it (:mod:`xronos.pipeline.tied`): two messages of
+``tied_bytes`` over their pair's link, one after the other, added to the step
+(``step_extra_s``). Then every stage updates its own
 parameters, once: the profiled update (:attr:`DeviceProfile.update_s`) leaves the
 micro-batches' costs and the slowest stage's update is added to the step (``update_s``).
 """
@@ -176,8 +177,8 @@ def search_pipeline(
         grad_accum: accumulation batches per optimizer step.
         act_bytes: bytes of one batch's activation ``(B, S, H)`` fp32.
         max_permuted: above this many devices, only the given order is tried.
-        tied_bytes: the tied embedding's gradient that the end stages swap every step
-            (0: untied, or the embedding does not train).
+        tied_bytes: the tied embedding's rows of one step's tokens, which the end stages
+            send each way every step (0: untied, or the embedding does not train).
 
     Returns:
         The plan with the least predicted step (``ranks`` from ``devices``), or None if
@@ -188,7 +189,7 @@ def search_pipeline(
         if len(order) > num_layers:
             continue
         staged = [devices[i] for i in order]
-        swap = send_s(staged[0], staged[-1], tied_bytes, 1.0) / 2 if tied_bytes else 0.0
+        swap = send_s(staged[0], staged[-1], tied_bytes, 1.0) if tied_bytes else 0.0
         for k in microbatch_counts(batch_size):
             costs = stage_costs_for(staged, fraction=1.0 / k, act_bytes=act_bytes)
             bound = lower_bound(num_layers, costs, grad_accum * k) + swap

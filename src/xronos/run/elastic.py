@@ -151,11 +151,11 @@ def survivor_spec(spec: SessionSpec, cluster: ClusterSpec) -> SessionSpec:
     """``spec``'s strategy over ``cluster`` (the survivors), planned anew."""
     if cluster.world_size == 1:
         alone = Strategy.AUTO if cluster.devices[0].memory_bytes else Strategy.SINGLE
-        return replace(spec, strategy=alone, plan=None, pipeline=None)
+        return replace(spec, strategy=alone, plan=None, pipeline=None, hybrid=None)
     if spec.strategy is Strategy.TP_EVEN:
         names = [d.name for d in cluster.devices]
-        return replace(spec, plan=Plan.even(spec.source.cfg, names), pipeline=None)
-    return replace(spec, plan=None, pipeline=None)
+        return replace(spec, plan=Plan.even(spec.source.cfg, names), pipeline=None, hybrid=None)
+    return replace(spec, plan=None, pipeline=None, hybrid=None)
 
 
 def resumable(run_dir: Path) -> Path | None:
@@ -165,4 +165,4 @@ def resumable(run_dir: Path) -> Path | None:
     if ckpt is None:
         return None
     strategy = read_checkpoint_meta(ckpt).get("extra", {}).get("strategy")
-    return None if strategy in (Strategy.PP_GPIPE.value, Strategy.PP_1F1B.value) else ckpt
+    return None if strategy in (s.value for s in Strategy if s.is_pipeline) else ckpt

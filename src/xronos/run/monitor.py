@@ -146,9 +146,16 @@ class RunMonitor:
             self._resumed(self.plan.strategy, list(self.plan.devices))
         elif kind == "pipeline":
             from xronos.planner import PipelinePlan
+            from xronos.planner.hybrid import HybridPlan
 
-            pplan = PipelinePlan.from_dict(ev["plan"])
             self.measured = ev.get("measured", [])
+            if "groups" in ev["plan"]:  # a hybrid: stages, one of them tensor-parallel
+                hybrid = HybridPlan.from_dict(ev["plan"])
+                self.say(f"hybrid stages:\n{hybrid.table()}")
+                atomic_write_text(self.run_dir / "plan.json", json.dumps(ev["plan"], indent=2))
+                self._resumed(ev["strategy"], list(hybrid.devices))
+                return
+            pplan = PipelinePlan.from_dict(ev["plan"])
             self.say(f"pipeline stages:\n{pplan.table()}")
             atomic_write_text(self.run_dir / "plan.json", pplan.to_json())
             self._resumed(ev["strategy"], list(pplan.devices))

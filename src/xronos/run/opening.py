@@ -13,9 +13,10 @@ from xronos.comm.groups import new_group
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
-from xronos.pipeline.session import PipelineSession
+from xronos.pipeline.session import HybridStages, PipelineSession
 from xronos.planner import PipelinePlan, plan_tp
 from xronos.planner.auto import AutoChoice, Candidate
+from xronos.planner.hybrid import HybridPlan
 from xronos.planner.plan import Plan
 from xronos.planner.profile import DeviceProfile
 from xronos.profiler.calibrate import plan_with_calibration
@@ -47,6 +48,8 @@ class SessionSpec:
     """Pipeline micro-batches per step (None: the pipeline planner's default)."""
     pipeline: PipelinePlan | None = None
     """A given pipeline plan (stages, layer ranges, micro-batches); None: planned."""
+    hybrid: HybridPlan | None = None
+    """A given hybrid plan (its groups are ranks of the session's group); None: planned."""
     comm_dtype: str = "fp32"
     """Dtype of the tensor-parallel activation all-reduces on the wire (``bf16`` halves
     the bytes; ``fp32`` is exact)."""
@@ -146,12 +149,12 @@ def open_candidate(
     members = sorted(best.devices)
     own = subgroup(ctx, members)
     if own is None:
-        if isinstance(best.plan, PipelinePlan) and len(members) > 1:
+        if isinstance(best.plan, PipelinePlan | HybridPlan) and len(members) > 1:
             # the stages make a point-to-point group of their own: every rank takes part
             new_group(members, ctx.timeout_s)
         return None, []
     own = with_payload(own, spec.comm_dtype)
-    if spec.overlap and not isinstance(best.plan, PipelinePlan):
+    if spec.overlap and not isinstance(best.plan, PipelinePlan | HybridPlan):
         own = own.with_lanes(ctx.timeout_s)
     if best.strategy == "single":
         single = Plan.single(cfg, ctx.device)
@@ -164,9 +167,13 @@ def open_candidate(
     if best.strategy == "tp-even":
         assert isinstance(best.plan, Plan)
         return TPSession(spec.source, best.plan, own, spec.optim, Strategy.TP_EVEN), []
+    if isinstance(best.plan, HybridPlan):
+        local = tuple(tuple(members.index(r) for r in g) for g in best.plan.groups)
+        return hybrid_session(spec, ctx, own, HybridStages(best.plan, local)), []
     assert isinstance(best.plan, PipelinePlan)
     order = [members.index(r) for r in best.plan.stage_ranks]
-    schedule = spec.strategy if spec.strategy.is_pipeline else Strategy(best.strategy)
+    plain = (Strategy.PP_GPIPE, Strategy.PP_1F1B)
+    schedule = spec.strategy if spec.strategy in plain else Strategy(best.strategy)
     pipeline = PipelineSession(
         spec.source,
         best.plan,
@@ -178,3 +185,19 @@ def open_candidate(
         anchored=spec.anchor is not None,
     )
     return pipeline, []
+
+
+def hybrid_session(
+    spec: SessionSpec, ctx: WorkerContext, group: TPGroup, stages: HybridStages
+) -> PipelineSession:
+    """A hybrid's session on ``group`` (every rank of it calls this)."""
+    return PipelineSession(
+        spec.source,
+        stages.plan.pipeline,
+        group,
+        spec.optim,
+        Strategy.HYBRID,
+        timeout_s=ctx.timeout_s,
+        anchored=spec.anchor is not None,
+        hybrid=stages,
+    )

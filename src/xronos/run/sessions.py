@@ -5,6 +5,7 @@ loop runs (the one place that knows every strategy).
     tp-even  ─► Plan.even                         ─► TPSession
     xronos   ─► profiles ─► plan_tp + calibration ─► TPSession
     pp-*     ─► profiles ─► stage costs ─► plan_pipeline (DP) ─► PipelineSession
+    hybrid   ─► profiles ─► TP group as a stage ─► search      ─► PipelineSession
 """
 
 from __future__ import annotations
@@ -17,13 +18,19 @@ from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
 from xronos.metrics.rss import release, resident_bytes
 from xronos.parallel.shard import build_meta
-from xronos.pipeline.session import PipelineSession
+from xronos.pipeline.session import HybridStages, PipelineSession
 from xronos.planner.memory import within_caps
 from xronos.planner.plan import Plan
 from xronos.planner.profile import DeviceProfile
 from xronos.profiler.measure import Shape
 from xronos.profiler.run import profile_self, share_profiles
-from xronos.run.opening import Opened, SessionSpec, calibrated_tp, with_payload
+from xronos.run.opening import (
+    Opened,
+    SessionSpec,
+    calibrated_tp,
+    hybrid_session,
+    with_payload,
+)
 from xronos.run.trials import open_auto
 from xronos.train.batches import Batch
 from xronos.train.session import Session, Strategy
@@ -115,6 +122,12 @@ def open_session(
         return open_auto(spec, ctx, group, profiles, first)
     if spec.overlap and not s.is_pipeline:
         group = group.with_lanes(ctx.timeout_s)
+    if s is Strategy.HYBRID and spec.hybrid is None:
+        return open_auto(spec, ctx, group, profiles, first, only="hybrid")
+    if s is Strategy.HYBRID:
+        assert spec.hybrid is not None
+        stages = HybridStages(spec.hybrid, spec.hybrid.groups)
+        return Opened(hybrid_session(spec, ctx, group, stages), time.perf_counter() - t0, True)
     if s.is_pipeline and spec.pipeline is None:
         return open_auto(spec, ctx, group, profiles, first, only="pp-1f1b")
     if s.is_pipeline:

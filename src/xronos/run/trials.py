@@ -12,6 +12,7 @@ from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
 from xronos.planner import PipelinePlan
 from xronos.planner.auto import Candidate, plan_auto
+from xronos.planner.hybrid import HybridPlan
 from xronos.planner.memory import tp_need
 from xronos.planner.plan import Plan, segment_units
 from xronos.planner.profile import DeviceProfile, on_the_wire
@@ -33,6 +34,12 @@ much faster: closer than that, trials cannot tell the two apart on a host whose 
 strays (measured on ``ci-2dev`` at 500 Mbit/s: ``xronos`` 2 % ahead in the trials, 6 %
 behind in the counted steps), and the promise is never to be slower than one device alone;
 alone, the other devices also stay free."""
+
+_NONE = {
+    "hybrid": "a hybrid needs two devices on faster links than a third's",
+    "pp-1f1b": "no stage split fits the devices' memory",
+}
+"""Why ``only``'s kind has no candidate at all, when the planner gave none."""
 
 Tried = tuple[Plan | None, list[DeviceProfile]]
 """A trial's plan (an xronos plan, calibrated) and calibrated profiles, kept for the winner."""
@@ -56,8 +63,8 @@ def open_auto(
     where the devices' memory holds them together, else one after the other — and open
     the fastest measured one (:func:`pick`: a collaboration must beat the device alone by
     :data:`ALONE_MARGIN`); the devices it leaves out get no session. Predictions from a
-    few seconds of profiling can be off by tens of percent; a real step cannot. A hybrid is
-    predicted but not run yet. With ``only`` (``pp-1f1b``: the best pipeline, run with
+    few seconds of profiling can be off by tens of percent; a real step cannot. With
+    ``only`` (``pp-1f1b``: the best pipeline, run with
     ``spec.strategy``'s schedule) the best-predicted candidate of that kind runs, untried."""
     t0 = time.perf_counter()
     cfg, shape, measured = spec.source.cfg, spec.shape, profiles()
@@ -74,11 +81,16 @@ def open_auto(
         c
         for c in choice.candidates
         if c.feasible
-        and c.strategy != "hybrid"
         and (only is None or c.strategy == only)
-        and not (spec.resuming and only is None and isinstance(c.plan, PipelinePlan))
+        and not (spec.resuming and only is None and isinstance(c.plan, PipelinePlan | HybridPlan))
         and (spec.anchor is None or spec.anchor in c.devices)
     ]
+    if not runnable and only is not None:
+        why = next((c.why for c in choice.candidates if c.strategy == only), "")
+        raise UserError(
+            f"{only}: no plan of this kind for these devices ({why or _NONE.get(only, '')}); "
+            "use --strategy auto"
+        )
     if not runnable:
         raise UserError("auto: no strategy fits the devices' memory; add memory or devices")
     ranked = sorted(runnable, key=lambda c: c.predicted_step_s)

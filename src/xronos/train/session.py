@@ -48,10 +48,13 @@ class Strategy(str, Enum):
     """Pipeline, GPipe schedule."""
     PP_1F1B = "pp-1f1b"
     """Pipeline, 1F1B schedule."""
+    HYBRID = "hybrid"
+    """Pipeline (1F1B) whose one stage is heterogeneous TP over devices with fast links."""
 
     @property
     def is_pipeline(self) -> bool:
-        return self in (Strategy.PP_GPIPE, Strategy.PP_1F1B)
+        """Runs pipeline stages (a hybrid too)."""
+        return self in (Strategy.PP_GPIPE, Strategy.PP_1F1B, Strategy.HYBRID)
 
     @classmethod
     def parse(cls, text: str | Strategy, flag: str = "--strategy") -> Strategy:

@@ -3,7 +3,8 @@
 Per step, besides the per-layer collectives inside forward and backward:
 
 1. one all-reduce of the flattened gradients that are per-rank partial sums
-   (LoRA A on column-parallel bases, LoRA B on row-parallel bases, Qwen3 q/k norms) and,
+   (:mod:`xronos.train.shardgrads`: LoRA A on column-parallel bases, LoRA B on
+   row-parallel bases, Qwen3 q/k norms) and,
    in the same buffer, of the rows of KV groups that several ranks share (K/V weights,
    biases, LoRA B; zero where a rank does not hold a group: :mod:`xronos.parallel.shared`),
 2. one all-reduce of the squared gradient norm for clipping by the *global* norm
@@ -41,11 +42,10 @@ from xronos.config import ModelConfig
 from xronos.metrics.recorder import current_recorder
 from xronos.metrics.records import LANE
 from xronos.model.llama import LlamaForCausalLM
-from xronos.parallel.shared import shared_rows
-from xronos.parallel.spec import partial_grad, shard_spec
 from xronos.planner.plan import Plan
 from xronos.train.batches import Batch, label_count
 from xronos.train.optim import OptimConfig, adamw, update
+from xronos.train.shardgrads import ShardGrads
 
 T = TypeVar("T")
 
@@ -102,13 +102,9 @@ class Trainer:
         self.model, self.group, self.opt_cfg = model, group, opt
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
-        self.partial = [p for n, p in named if group.size > 1 and partial_grad(n)]
-        self.shared = shared_rows(named, cfg, plan, group.rank)
+        self.grads = ShardGrads(named, cfg, plan, group)
         # A replicated parameter's gradient is identical on every rank: count it once.
-        self.norm_weight = [
-            1.0 if shard_spec(n, cfg, plan, group.rank) is not None or group.rank == 0 else 0.0
-            for n, _ in named
-        ]
+        self.norm_weight = self.grads.norm_weight
         self.optimizer = adamw(self.params, opt)
         # LoRA dropout draws its masks from one generator per module, in call order: two
         # lanes drawing at once would not draw the single-device run's masks.
@@ -120,11 +116,8 @@ class Trainer:
         # Norms taken in backward (see the module docstring). The hooks hold only this
         # small record, not the trainer: no cycle keeps the process group alive.
         self._norms = _BackwardNorms()
-        partial = {id(p) for p in self.partial} | {
-            id(p) for p in self.params if self.shared.holds(p)
-        }
         for k, (p, w) in enumerate(zip(self.params, self.norm_weight, strict=True)):
-            if w and id(p) not in partial:
+            if w and not self.grads.late(p):
                 p.register_post_accumulate_grad_hook(self._norms.hook(k))
 
     def step(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
@@ -136,7 +129,7 @@ class Trainer:
             total = self._overlapped(micro_batches, denom)
         else:
             total = self._sequential(micro_batches, denom)
-        self._sync_partial_grads()
+        self.grads.sync()
         norm = self._global_norm()
         self.lr = update(self.optimizer, self.params, self.opt_cfg, norm, self.steps_done)
         self.steps_done += 1
@@ -190,28 +183,11 @@ class Trainer:
             p.grad = g
         return total
 
-    def _sync_partial_grads(self) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.partial]
-        if not grads and not self.shared.size:
-            return
-        dtype = grads[0].dtype if grads else torch.float32
-        flat = torch.cat(
-            [g.reshape(-1) for g in grads] + [torch.zeros(self.shared.size, dtype=dtype)]
-        )
-        n_partial = flat.numel() - self.shared.size
-        self.shared.pack(flat[n_partial:])
-        self.group.all_reduce(flat, "grads.partial")
-        offset = 0
-        for p, g in zip(self.partial, grads, strict=True):
-            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
-        self.shared.unpack(flat[n_partial:])
-
     def _global_norm(self) -> float:
         # The rest: partial gradients (final only after their all-reduce) and any gradient
         # the last backward did not touch.
         rest = [
-            self.shared.owned(p, p.grad.detach())
+            self.grads.countable(p, p.grad.detach())
             for k, (p, w) in enumerate(zip(self.params, self.norm_weight, strict=True))
             if p.grad is not None and w and k not in self._norms.taken
         ]

@@ -1,0 +1,58 @@
+"""The whole model from a pipeline's stages, on every rank (evaluation, checkpoints,
+tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from xronos.comm.mappings import TPGroup
+from xronos.model.llama import LlamaForCausalLM
+from xronos.model.lora import add_lora
+from xronos.parallel.shard import stage_holds
+from xronos.train.source import ModelSource
+
+
+def gather_stages(
+    source: ModelSource,
+    ranges: Sequence[tuple[int, int]],
+    mine: Mapping[str, torch.Tensor] | None,
+    stage: int,
+    leaders: Sequence[int],
+    group: TPGroup,
+) -> dict[str, torch.Tensor]:
+    """Every stage's parameters by Hugging Face name (collective over ``group``).
+
+    Args:
+        source: the model (its config, LoRA and seed give every name and shape).
+        ranges: each stage's decoder layers.
+        mine: this rank's stage, whole (None on a TP stage's members but its leader).
+        stage: this rank's stage.
+        leaders: the global rank of each stage's leader, who sends it.
+        group: the pipeline's group.
+
+    Names and shapes come from the config (a ``meta`` model), so each stage broadcasts
+    one flat fp32 vector from its leader and nothing is pickled.
+    """
+    cfg = source.cfg
+    with torch.device("meta"):
+        full = LlamaForCausalLM(cfg)
+        if source.lora is not None:
+            add_lora(full, source.lora, seed=source.seed)
+    shapes = {n: p.shape for n, p in full.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    last = len(ranges) - 1
+    # last stage first: a tied matrix is the last stage's (the first stage's copy is only
+    # current in the rows of the step's tokens: :mod:`xronos.pipeline.tied`)
+    for s, rng in reversed(list(enumerate(ranges))):
+        names = [n for n in shapes if n not in out and stage_holds(n, cfg, rng, s == 0, s == last)]
+        if s == stage and mine is not None:
+            flat = torch.cat([mine[n].reshape(-1).float() for n in names])
+        else:
+            flat = torch.empty(sum(shapes[n].numel() for n in names), dtype=torch.float32)
+        dist.broadcast(flat, src=leaders[s], group=group.pg)
+        for n, part in zip(names, flat.split([shapes[n].numel() for n in names]), strict=True):
+            out[n] = part.view(shapes[n]).clone()
+    return out
