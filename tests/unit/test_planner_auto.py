@@ -18,7 +18,7 @@ from xronos.errors import UserError
 from xronos.planner import SEGMENTS, Plan
 from xronos.planner.auto import AutoChoice, Candidate, plan_auto
 from xronos.planner.comm import LinkModel, tp_traffic
-from xronos.planner.hybrid import HybridPlan
+from xronos.planner.hybrid import HybridPlan, tp_stage
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.profile import CostCurve, DeviceProfile, save_profiles
 
@@ -215,3 +215,34 @@ def test_xronos_plan_auto_prints_the_table_and_writes_the_plan(
     assert Plan.from_json(out.read_text()).devices == ("nuc",)
     every = json.loads((tmp_path / "plan.candidates.json").read_text())
     assert every["candidates"][every["chosen"]]["strategy"] == "single"
+
+
+def test_a_tp_stage_pays_its_collectives_latency_per_micro_batch() -> None:
+    """Cutting a batch in two halves the bytes of the TP stage's all-reduces, not their
+    number: each micro-batch pays every all-reduce's latency (4 per layer, and the
+    vocabulary's), so the stage's fixed part per micro-batch is at least that."""
+    cfg = small()
+    lat = 1e-3
+    ps = [profile(cfg, "a", 1.0, GBIT, lat=lat), profile(cfg, "b", 1.0, GBIT, lat=lat)]
+    kwargs = {"mlp_chunk": 32, "vocab_chunk": 32, "replicated_share": None}
+    stage, _ = tp_stage(cfg, ps, (0, 1), kwargs)
+    # an all-reduce of two ranks waits at least both links' one-way latency
+    assert stage.costs.layer_split_s >= 4 * 2 * lat
+    assert stage.costs.head_split_s >= 2 * lat
+    assert stage.costs.layer_split_s < stage.costs.layer_s  # the bytes and compute scale
+
+
+def test_hybrids_price_the_tied_rows_exchange() -> None:
+    cfg = dataclasses.replace(small(), num_layers=16)
+    ps = [
+        profile(cfg, "a", 1.0, 100 * GBIT, lat=1e-5),
+        profile(cfg, "b", 1.0, 100 * GBIT, lat=1e-5),
+        dataclasses.replace(profile(cfg, "c", 1.0, GBIT), tied_grad_bytes=1),
+    ]
+    hybrids = [c for c in auto(cfg, ps).candidates if c.strategy == "hybrid" and c.feasible]
+    assert hybrids
+    for c in hybrids:
+        assert isinstance(c.plan, HybridPlan)
+        # two messages of the step's rows (B·S tokens × H fp32) over a 1 Gbit/s link
+        rows = 4 * min(cfg.vocab_size, B * S) * cfg.hidden_size
+        assert c.plan.pipeline.step_extra_s >= 2 * rows / GBIT

@@ -12,17 +12,20 @@ stages::
 The group as a stage (:func:`tp_stage`): its per-layer time is what :func:`predict`
 gives the group's TP plan for the attention and MLP barriers (with their all-reduces)
 divided by the layers, and its head the vocabulary barrier, its collectives and the
-per-step ones. Its link to the other stages is its worst member's (the stage's input
-must reach every member). Memory: the group must hold the whole model's TP shards (as
-:func:`plan_tp` checks), which is stricter than a stage of some layers needs — so a hybrid
-may be missed when memory is tight, never proposed when it does not fit.
+per-step ones. What each micro-batch pays however few its tokens is, per barrier, the
+slowest member's profiled split cost for its units plus the collectives' latency (the
+same prediction with zero-byte messages). Its link to the other stages is its worst
+member's (the stage's input must reach every member). Memory: the group must hold the
+whole model's TP shards (as :func:`plan_tp` checks), which is stricter than a stage of
+some layers needs — so a hybrid may be missed when memory is tight, never proposed when
+it does not fit.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from xronos.config import ModelConfig
@@ -98,8 +101,11 @@ def tp_stage(
     """The TP group ``group`` as one stage device (see the top); UserError if it has no plan."""
     members = [profiles[i] for i in group]
     plan = plan_tp(cfg, members, **tp_kwargs)
-    pred = predict(plan, members, replicated_share=tp_kwargs.get("replicated_share"))
+    share = tp_kwargs.get("replicated_share")
+    pred = predict(plan, members, replicated_share=share)
     seg = pred["segments"]
+    latency = predict(plan, [_zero_bytes(p) for p in members], replicated_share=share)
+    fixed = {s: _split(members, plan, s) + latency["segments"][s]["transfer_s"] for s in seg}
     layer = sum(seg[s]["barrier_s"] + seg[s]["transfer_s"] for s in ("attn", "mlp"))
     step_transfer = pred["transfer_s"] - sum(v["transfer_s"] for v in seg.values())
     head = seg["vocab"]["barrier_s"] + seg["vocab"]["transfer_s"] + step_transfer
@@ -112,10 +118,29 @@ def tp_stage(
         )
     )
     costs = StageCosts(
-        name="+".join(p.name for p in members), layer_s=layer / cfg.num_layers, head_s=head
+        name="+".join(p.name for p in members),
+        layer_s=layer / cfg.num_layers,
+        head_s=head,
+        layer_split_s=(fixed["attn"] + fixed["mlp"]) / cfg.num_layers,
+        head_split_s=fixed["vocab"],
     )
     legacy = max(p.allreduce_s for p in members)
     return StageDevice(costs, link, group, legacy_send_s=legacy), plan
+
+
+def _zero_bytes(p: DeviceProfile) -> DeviceProfile:
+    """``p`` whose collectives carry no bytes: what they cost is their latency alone."""
+    return replace(p, traffic={k: [(n, 0) for n, _ in v] for k, v in p.traffic.items()})
+
+
+def _split(members: Sequence[DeviceProfile], plan: Plan, seg: str) -> float:
+    """The slowest member's profiled cost of one more micro-batch in ``seg`` for the units
+    it holds (the profile's is for all of them)."""
+    total = max(sum(plan.split(seg)), 1)
+    return max(
+        (p.split_s or {}).get(seg, 0.0) * u / total
+        for p, u in zip(members, plan.split(seg), strict=True)
+    )
 
 
 def plan_hybrids(
