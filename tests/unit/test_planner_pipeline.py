@@ -386,3 +386,22 @@ def test_an_update_larger_than_its_timed_segment_is_capped_at_it() -> None:
     (d,) = device_stages([p], small())
     assert min(d.costs.layer_s, d.costs.head_s, d.costs.embed_s) == 0.0
     assert d.costs.embed_update_s == 0.0  # no embedding time was profiled, none to move
+
+
+def test_a_trained_tied_matrix_is_updated_by_the_last_stage_only() -> None:
+    # The first stage reads a tied matrix's rows and sends their gradient back; the last
+    # stage (whose head update includes the matrix) updates it. The first stage's profiled
+    # embedding update leaves its micro-batches and is not paid at the step's end.
+    base = DeviceProfile(
+        name="a",
+        segments={s: CostCurve(0.0, 1e-3) for s in ("attn", "mlp", "vocab")},
+        replicated_s=0.0,
+        embed_s=0.5,
+        update_s={"layer": 0.0, "embed": 0.2, "head": 0.3},
+    )
+    (untied,) = device_stages([base], small())
+    (tied,) = device_stages([replace(base, tied_grad_bytes=1)], small())
+    assert untied.costs.embed_update_s == pytest.approx(0.2)
+    assert tied.costs.embed_update_s == 0.0
+    assert tied.costs.embed_s == pytest.approx(0.3)  # the update left the micro-batches
+    assert tied.costs.head_update_s == untied.costs.head_update_s > 0  # the matrix is in it

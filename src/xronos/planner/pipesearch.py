@@ -98,7 +98,8 @@ def device_stages(
             embed_s=p.embed_s - eu,
             embed_split_s=p.embed_split_s,
             layer_update_s=lu,
-            embed_update_s=eu,
+            # a trained tied matrix is the last stage's to update (its head's update)
+            embed_update_s=0.0 if p.tied_grad_bytes else eu,
             head_update_s=hu,
             layer_bytes=layer_bytes // layers,
             head_bytes=ub.get("vocab", 0) * units["vocab"],

@@ -26,7 +26,8 @@ from xronos.train.optim import new_adamw
 def trained_shapes(shape: Shape) -> dict[str, list[tuple[int, ...]]]:
     """The trained tensors' shapes of one decoder layer (``layer``), the token embedding
     (``embed``) and the final norm with the LM head (``head``; a tied model's head is the
-    embedding matrix, of which a pipeline's last stage keeps and updates a copy)."""
+    embedding matrix, which a pipeline's last stage owns and updates: the first stage's
+    ``embed`` update is then not paid)."""
     cfg = dataclasses.replace(shape.cfg, num_layers=1)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
