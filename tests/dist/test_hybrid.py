@@ -10,7 +10,7 @@ product's own worker and is compared with the same worker on one device (``singl
 
 from __future__ import annotations
 
-from collections import Counter
+import dataclasses
 from typing import Any
 
 import pytest
@@ -20,13 +20,17 @@ from tests.dist import product
 from tests.dist.world import WorkerContext, run_world
 from xronos.config import ModelConfig
 from xronos.metrics import analyze_pipeline_step, is_pipeline
+from xronos.metrics.recorder import SpanRecorder
 from xronos.model.lora import LoRAConfig
 from xronos.pipeline.layout import StageLayout
+from xronos.pipeline.session import HybridStages
 from xronos.pipeline.tied import tied_pairs
 from xronos.planner.hybrid import HybridPlan
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.plan import Plan
+from xronos.run.opening import hybrid_session
 from xronos.run.worker import FinetuneJob, WorkerResult, finetune_worker
+from xronos.train.loop import run_step
 from xronos.train.session import Strategy
 
 # The tolerances of tests/dist/test_pipeline.py (the same single-device arithmetic, some
@@ -80,10 +84,32 @@ CASES = {
 }
 
 
+def _interleaved(ctx: WorkerContext, job: FinetuneJob) -> dict[str, Any]:
+    """The product's hybrid session stepped by hand, its compute replayed without
+    communication after every step (the bench's stall measurement): training must not
+    notice, and the replay must run the stage's own schedule."""
+    spec = job.session
+    assert spec.hybrid is not None
+    stages = HybridStages(spec.hybrid, spec.hybrid.groups)
+    session = hybrid_session(spec, ctx, ctx.group, stages)
+    rec = SpanRecorder(ctx.rank, ctx.device)
+    data = dataclasses.replace(job.data)  # type: ignore[type-var]
+    losses, replayed = [], []
+    for _ in range(job.steps):
+        outcome = run_step(session, data.next_step(), ctx.group, rec)
+        losses.append(outcome.result.loss)
+        replayed.append([s.name for s in session.isolated_compute(outcome.micro)])
+    state = session.gather_state()
+    session.close()
+    return {"losses": losses, "state": state, "replayed": replayed}
+
+
 def _run_cases(ctx: WorkerContext, jobs: dict[str, FinetuneJob]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, job in jobs.items():
-        if name.startswith("control/"):  # the TP stage's partial gradients never summed
+        if name.startswith("interleaved/"):
+            out[name] = _interleaved(ctx, job)
+        elif name.startswith("control/"):  # the TP stage's partial gradients never summed
             import xronos.train.shardgrads as shardgrads
 
             original = shardgrads.ShardGrads.sync
@@ -110,10 +136,20 @@ def _assert_same_run(r: WorkerResult, ref: WorkerResult) -> None:
 def test_a_tp_stage_in_a_pipeline_matches_single_process() -> None:
     jobs = {name: _job(tp_first, tied=tied, lora=lora) for name, (tp_first, tied, lora) in CASES.items()}
     jobs["control/lora"] = _job(True, tied=False, lora=True)
+    jobs["interleaved/tp-last"] = _job(False, tied=True, lora=True)
     per_rank = run_world(_run_cases, 3, jobs, timeout_s=180.0)
     for name, job in jobs.items():
         results = [r[name] for r in per_rank]
         ref = product.single(job)
+        if name.startswith("interleaved/"):
+            for r in results:
+                assert r["losses"] == pytest.approx(ref.losses, rel=LOSS_RTOL), name
+                assert ref.state is not None
+                for key, want in ref.state.items():
+                    torch.testing.assert_close(r["state"][key], want, atol=PARAM_ATOL, rtol=PARAM_RTOL)
+                # 4 micro-batches, each a forward and a backward, every step
+                assert all(len(names) == 8 for names in r["replayed"]), r["replayed"]
+            continue
         if name.startswith("control/"):
             with pytest.raises(AssertionError):
                 _assert_same_run(results[0], ref)

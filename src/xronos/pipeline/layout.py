@@ -105,7 +105,7 @@ class StageLayout:
 
     def max_events(self, cfg: ModelConfig, m: int) -> int:
         """The most spans one step records on any rank: per micro-batch 2 computes and 4
-        messages (one more per extra member of a neighbouring stage), the tied swap and
+        messages (one more per extra member of a neighbouring stage), the tied rows and
         the norm; on a TP stage also its all-reduces: 2 per layer each way, the
         embedding's, the head's and the cross-entropy's, the partial gradients'."""
         widest = max(len(g) for g in self.groups)

@@ -324,7 +324,8 @@ class PipelineRunner:
         :meth:`step`: barriers before and after keep other stages' traffic out. The inputs
         are the activations and gradients the stage received in that step; the parameters
         are those after its update, which changes the values, not the work. Gradients are
-        discarded, optimizer state and dropout generators are left as they were.
+        discarded, optimizer state and dropout generators are left as they were. A TP
+        stage replays with its own all-reduces (part of its spans in the step too).
         """
         mbs = split_microbatches(micro_batches, self.pplan.num_microbatches)
         if self._inputs is None or len(self._inputs) != len(mbs):

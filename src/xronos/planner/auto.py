@@ -327,11 +327,11 @@ def _pp_why(plan: PipelinePlan) -> str:
     fill = sum(plan.predicted_stage_s)
     bubble = plan.predicted_step_s - fill - plan.step_extra_s - plan.update_s
     layers = "|".join(f"{a}-{b - 1}" for a, b in plan.layer_ranges)
-    swap = f" + {plan.step_extra_s:.4f} tied-embedding rows" if plan.step_extra_s else ""
+    tied = f" + {plan.step_extra_s:.4f} tied-embedding rows" if plan.step_extra_s else ""
     upd = f" + {plan.update_s:.4f} update" if plan.update_s else ""
     return (
         f"= {fill:.4f} fill + {bubble:.4f} for {plan.num_microbatches - 1} more micro-batches "
-        f"at the bottleneck{swap}{upd}; layers {layers}, m={plan.num_microbatches}"
+        f"at the bottleneck{tied}{upd}; layers {layers}, m={plan.num_microbatches}"
     )
 
 

@@ -113,8 +113,9 @@ class PipelinePlan:
     """Which rank of the cluster runs stage ``j`` (``ranks[j]``); empty = stage ``j`` on
     rank ``j`` (plans written before the stage order was searched)."""
     step_extra_s: float = 0.0
-    """Predicted time once per step outside the schedule: the first and last stages swap
-    their gradients of a tied embedding (:mod:`xronos.pipeline.runner`)."""
+    """Predicted time once per step outside the schedule: the last stage sends the first
+    the tied embedding's rows of the step's tokens, and gets their gradient back
+    (:mod:`xronos.pipeline.tied`)."""
     update_s: float = 0.0
     """Predicted step-end update after the schedule: the slowest stage's (every stage waits
     for the gradient norm's all-reduce, then updates its own parameters)."""

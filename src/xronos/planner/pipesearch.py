@@ -190,10 +190,10 @@ def search_pipeline(
         if len(order) > num_layers:
             continue
         staged = [devices[i] for i in order]
-        swap = send_s(staged[0], staged[-1], tied_bytes, 1.0) if tied_bytes else 0.0
+        tied = send_s(staged[0], staged[-1], tied_bytes, 1.0) if tied_bytes else 0.0
         for k in microbatch_counts(batch_size):
             costs = stage_costs_for(staged, fraction=1.0 / k, act_bytes=act_bytes)
-            bound = lower_bound(num_layers, costs, grad_accum * k) + swap
+            bound = lower_bound(num_layers, costs, grad_accum * k) + tied
             if best is not None and bound >= best.predicted_step_s:
                 continue
             try:
@@ -206,7 +206,7 @@ def search_pipeline(
                 )
             except UserError:
                 break  # memory does not depend on k: no k fits this order
-            plan = replace(plan, step_extra_s=swap, update_s=update_s(plan, costs))
+            plan = replace(plan, step_extra_s=tied, update_s=update_s(plan, costs))
             if best is None or plan.predicted_step_s < best.predicted_step_s - 1e-12:
                 best = plan
     return best

@@ -72,7 +72,8 @@ class DeviceProfile:
     empty: cutting is free (costs scale with tokens)."""
     tied_grad_bytes: int = 0
     """Bytes of the tied embedding's gradient when it trains (full fine-tuning of a tied
-    model; 0 otherwise): a pipeline's end stages swap it every step."""
+    model; 0 otherwise). Nonzero: a pipeline's end stages exchange the matrix's rows of
+    each step's tokens (:mod:`xronos.pipeline.tied`)."""
     step_scale: float = 1.0
     """The factor the measured segments were scaled by so that they add up to a whole real
     step on this device (:func:`xronos.profiler.run.scaled`); 1: as measured."""
