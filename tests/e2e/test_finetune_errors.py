@@ -88,3 +88,13 @@ def test_resume_of_a_directory_that_is_not_a_run(
 ) -> None:
     code, err = _finetune(capsys, tmp_path, "--resume", str(tmp_path))
     _one_line(code, err, "--resume", "not a run directory")
+
+
+def test_a_hybrid_on_two_devices_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _finetune(
+        capsys, tmp_path, "--strategy", "hybrid", "--cluster", "ci-2dev", "--model", "tiny"
+    )
+    _one_line(code, err, "--strategy hybrid", "three devices", "has 2", "--strategy auto")
+    assert not (tmp_path / "run").exists()  # nothing written

@@ -152,6 +152,11 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
     scored = [e for e in eval_ex if e.prompt and e.completion][: cfg.eval_size]
     cluster = cluster or load_cluster(cfg.cluster)
     cluster = cfg.link().apply(cluster)  # --bandwidth/--latency: every device on that link
+    if strategy is Strategy.HYBRID and len(cluster.devices) < 3:
+        raise UserError(
+            f"--strategy hybrid needs three devices or more (two on faster links than a "
+            f"third's); cluster {cluster.name!r} has {len(cluster.devices)}; use --strategy auto"
+        )
     if strategy is Strategy.SINGLE:
         fastest = cluster.devices[fastest_device(cluster)]
         cluster = ClusterSpec(name=f"{cluster.name}:{fastest.name}", devices=(fastest,))
