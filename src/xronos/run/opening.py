@@ -201,3 +201,14 @@ def hybrid_session(
         anchored=spec.anchor is not None,
         hybrid=stages,
     )
+
+
+def given_candidate(spec: SessionSpec) -> Candidate:
+    """The given pipeline or hybrid of ``spec`` as the candidate that runs it."""
+    if spec.hybrid is not None:
+        h = spec.hybrid
+        ranks = tuple(r for g in h.groups for r in g)
+        return Candidate("hybrid", ranks, h.pipeline.predicted_step_s, h, True, "given")
+    assert spec.pipeline is not None
+    p = spec.pipeline
+    return Candidate("pp-1f1b", p.stage_ranks, p.predicted_step_s, p, True, "given")

@@ -34,9 +34,12 @@ from xronos.emulation import ClusterSpec, load_cluster
 from xronos.errors import UserError
 from xronos.model.gguf_resolve import resolve_tokenizer
 from xronos.model.lora import LoRAConfig
+from xronos.planner.hybrid import HybridPlan
+from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.plan import Plan, default_mlp_chunk, default_vocab_chunk
 from xronos.profiler.measure import Shape
 from xronos.profiler.run import load_cached, profile_key
+from xronos.run.givenplan import GivenPlan, check_plan, read_plan, strategy_for
 from xronos.run.launch import DEFAULT_CPU_PERIOD_US, fastest_device, measurement_context
 from xronos.run.opening import SessionSpec
 from xronos.run.sessions import ProfileSource
@@ -98,18 +101,17 @@ def _steps(cfg: RunConfig, batches_per_epoch: int) -> int:
 
 
 def _plan_for(
-    cfg: RunConfig, strategy: Strategy, source: ModelSource, cluster: ClusterSpec
-) -> Plan | None:
+    cfg: RunConfig,
+    strategy: Strategy,
+    source: ModelSource,
+    cluster: ClusterSpec,
+    given: GivenPlan | None,
+) -> GivenPlan | None:
     devices = [d.name for d in cluster.devices]
-    if cfg.plan is not None:
-        plan = Plan.from_json(Path(cfg.plan).read_text())
-        plan.check(source.cfg)
-        if list(plan.devices) != devices:
-            raise UserError(
-                f"--plan {cfg.plan} is for devices {list(plan.devices)}, the cluster has "
-                f"{devices}; plan again with `xronos plan`"
-            )
-        return plan
+    if given is not None:
+        assert cfg.plan is not None
+        check_plan(cfg.plan, given, source.cfg, devices)
+        return given
     if strategy is Strategy.TP_EVEN:
         return Plan.even(source.cfg, devices)
     if strategy is Strategy.SINGLE:
@@ -122,8 +124,10 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
     ``cluster`` overrides ``cfg.cluster`` (the machines of a torchrun run)."""
     cfg, model_note = resolve_default_model(cfg)
     strategy = Strategy.parse(cfg.strategy)
-    if strategy is Strategy.AUTO and cfg.plan is not None:
-        strategy = Strategy.XRONOS  # a given plan is a tensor-parallel plan: run it
+    given = read_plan(cfg.plan) if cfg.plan is not None else None
+    if given is not None:  # a given plan runs under its own kind's strategy
+        assert cfg.plan is not None
+        strategy = strategy_for(cfg.plan, given, strategy)
     source = ModelSource.from_name(cfg.model, cfg.seed)
     source = replace(source, base_dtype=getattr(torch, BASE_DTYPES[cfg.base_dtype]))
     if cfg.seq_len > source.cfg.max_position_embeddings:
@@ -175,6 +179,7 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
     batches = len(train) // cfg.batch_size
     steps = _steps(cfg, batches)
     run_dir = Path(cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    planned = _plan_for(cfg, strategy, source, cluster, given)
     job = FinetuneJob(
         session=SessionSpec(
             source=source,
@@ -190,7 +195,9 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
             ),
             shape=shape,
             grad_accum=cfg.grad_accum,
-            plan=_plan_for(cfg, strategy, source, cluster),
+            plan=planned if isinstance(planned, Plan) else None,
+            pipeline=planned if isinstance(planned, PipelinePlan) else None,
+            hybrid=planned if isinstance(planned, HybridPlan) else None,
             comm_dtype=cfg.comm_dtype,
             overlap=cfg.overlap,
         ),

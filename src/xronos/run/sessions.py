@@ -18,7 +18,6 @@ from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
 from xronos.metrics.rss import release, resident_bytes
 from xronos.parallel.shard import build_meta
-from xronos.pipeline.session import HybridStages, PipelineSession
 from xronos.planner.memory import within_caps
 from xronos.planner.plan import Plan
 from xronos.planner.profile import DeviceProfile
@@ -28,12 +27,13 @@ from xronos.run.opening import (
     Opened,
     SessionSpec,
     calibrated_tp,
-    hybrid_session,
+    given_candidate,
+    open_candidate,
     with_payload,
 )
 from xronos.run.trials import open_auto
 from xronos.train.batches import Batch
-from xronos.train.session import Session, Strategy
+from xronos.train.session import Strategy
 from xronos.train.tp import TPSession
 
 
@@ -124,24 +124,10 @@ def open_session(
         group = group.with_lanes(ctx.timeout_s)
     if s is Strategy.HYBRID and spec.hybrid is None:
         return open_auto(spec, ctx, group, profiles, first, only="hybrid")
-    if s is Strategy.HYBRID:
-        assert spec.hybrid is not None
-        stages = HybridStages(spec.hybrid, spec.hybrid.groups)
-        return Opened(hybrid_session(spec, ctx, group, stages), time.perf_counter() - t0, True)
-    if s.is_pipeline and spec.pipeline is None:
+    if s.is_pipeline and spec.pipeline is None and spec.hybrid is None:
         return open_auto(spec, ctx, group, profiles, first, only="pp-1f1b")
-    if s.is_pipeline:
-        assert spec.pipeline is not None
-        session: Session = PipelineSession(
-            spec.source,
-            spec.pipeline,
-            group,
-            spec.optim,
-            s,
-            timeout_s=ctx.timeout_s,
-            stage_ranks=spec.pipeline.stage_ranks,
-            anchored=spec.anchor is not None,
-        )
+    if s.is_pipeline:  # a given pipeline or hybrid, on the devices it names
+        session, _ = open_candidate(spec, ctx, given_candidate(spec), [], first, None)
         return Opened(session, time.perf_counter() - t0, given=True)
     if spec.plan is not None or s is not Strategy.XRONOS:
         plan = spec.plan or (
