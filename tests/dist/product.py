@@ -39,6 +39,11 @@ CFG = ModelConfig(
 """The exactness tests' model: 2 layers, 4 query heads in 2 KV groups, tied embeddings."""
 
 
+def four_layers(tied: bool) -> ModelConfig:
+    """:data:`CFG` with 4 layers (pipelines need layers to split), tied or not."""
+    return dataclasses.replace(CFG, num_layers=4, tie_word_embeddings=tied)
+
+
 def job(
     cfg: ModelConfig,
     *,

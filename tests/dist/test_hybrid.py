@@ -40,19 +40,7 @@ LOSS_RTOL = 1e-4
 PARAM_ATOL = 1e-4
 PARAM_RTOL = 1e-4
 STEPS = 4
-CFG = ModelConfig(
-    vocab_size=100,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    tie_word_embeddings=True,
-)
-
-
-def _cfg(tied: bool) -> ModelConfig:
-    return ModelConfig(**{**CFG.__dict__, "tie_word_embeddings": tied})
+CFG = product.four_layers(tied=True)
 
 
 def _hybrid(cfg: ModelConfig, tp_first: bool) -> HybridPlan:
@@ -64,7 +52,7 @@ def _hybrid(cfg: ModelConfig, tp_first: bool) -> HybridPlan:
 
 
 def _job(tp_first: bool, *, tied: bool, lora: bool) -> FinetuneJob:
-    cfg = _cfg(tied)
+    cfg = product.four_layers(tied)
     return product.job(
         cfg,
         lora=LoRAConfig(r=4, alpha=8.0) if lora else None,

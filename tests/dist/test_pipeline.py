@@ -43,18 +43,6 @@ PARAM_RTOL = 1e-4
 STEPS = 4
 
 
-def _cfg(tied: bool) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        tie_word_embeddings=tied,
-    )
-
-
 def _job(
     strategy: str,
     ranges: tuple[tuple[int, int], ...],
@@ -66,7 +54,7 @@ def _job(
 ) -> FinetuneJob:
     devices = tuple(f"rank{i}" for i in range(len(ranges)))
     return product.job(
-        _cfg(tied),
+        product.four_layers(tied),
         lora=LoRAConfig(r=4, alpha=8.0, dropout=0.1) if lora else None,
         steps=STEPS,
         pipeline=PipelinePlan(devices, ranges, (), m),

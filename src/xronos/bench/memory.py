@@ -24,7 +24,7 @@ from xronos.config import ModelConfig
 from xronos.errors import UserError
 from xronos.metrics.rss import MIB
 from xronos.planner.auto import AutoChoice, Candidate, pipeline_needs
-from xronos.planner.hybrid import HybridPlan
+from xronos.planner.hybrid import NO_HYBRID, HybridPlan
 from xronos.planner.memory import tp_need
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.plan import SEGMENTS, Plan
@@ -133,7 +133,7 @@ def verdicts(
             continue
         c = _candidate(choice, s, fastest)
         if c is None and s is Strategy.HYBRID:
-            out[s] = Verdict(None, "no hybrid: it needs two devices on faster links than a third's")
+            out[s] = Verdict(None, f"no hybrid: {NO_HYBRID}")
             continue
         plan: Plan | PipelinePlan | HybridPlan | None = None
         if c is not None and isinstance(c.plan, Plan | PipelinePlan | HybridPlan):

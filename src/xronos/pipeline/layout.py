@@ -90,10 +90,8 @@ class StageLayout:
 
     def vocab_rows(self, cfg: ModelConfig, stage: int) -> list[tuple[int, int]]:
         """Per member of ``stage``, the rows of a tied embedding matrix it holds."""
-        if len(self.groups[stage]) == 1:
-            return [(0, cfg.vocab_size)]
-        assert self.tp is not None
-        return [self.tp.bounds("vocab", k, cfg.vocab_size) for k in range(self.tp.world_size)]
+        plan = self.plan(cfg, stage)
+        return [plan.bounds("vocab", k, cfg.vocab_size) for k in range(plan.world_size)]
 
     def names(self, pplan: PipelinePlan) -> list[str]:
         """The device name of each group rank."""

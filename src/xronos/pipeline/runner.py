@@ -123,7 +123,9 @@ class PipelineRunner:
         self.cfg, self.pplan, self.group, self.opt_cfg = cfg, pplan, group, opt
         self.source, self.timeout_s, self.layout = source, timeout_s, layout
         self.stage, self.num_stages = layout.stage_of(group.rank), len(layout.groups)
-        self.leader = layout.member(group.rank) == 0
+        self.member = layout.member(group.rank)  # within the stage; 0: its leader
+        self.leader = self.member == 0
+        self.names = layout.names(pplan)  # device name per group rank
         # group rank -> global rank (torch's point-to-point calls and broadcast take these)
         self.globals = [
             dist.get_global_rank(group.pg, r) if group.pg is not None else r
@@ -187,7 +189,7 @@ class PipelineRunner:
         mbs = split_microbatches(micro_batches, self.pplan.num_microbatches)
         denom = float(max(label_count(mbs), 1))
         self._step_rng = [m.dropout_gen.get_state() for m in self._lora]
-        p2p = P2P(self._p2p_group, self.layout.names(self.pplan), self.timeout_s, self.globals)
+        p2p = P2P(self._p2p_group, self.names, self.timeout_s, self.globals)
         try:
             self._read_tied(mbs, p2p)
             loss_sum = self._run_schedule(mbs, denom, p2p)
@@ -199,8 +201,7 @@ class PipelineRunner:
         return self._update(loss_sum, denom)
 
     def _run_schedule(self, mbs: list[Batch], denom: float, p2p: P2P) -> float:
-        j, rec = self.stage, current_recorder()
-        me = self.layout.member(self.group.rank)
+        j, rec, me = self.stage, current_recorder(), self.member
         self._post_recvs(mbs, p2p)
         inputs: list[list[torch.Tensor | None]] = [[None, None] for _ in mbs]
         live: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -240,7 +241,7 @@ class PipelineRunner:
     def _post_recvs(self, mbs: list[Batch], p2p: P2P) -> None:
         """Post every receive of the step up front, so data lands while the stage computes."""
         j, h = self.stage, self.cfg.hidden_size
-        me, groups = self.layout.member(self.group.rank), self.layout.groups
+        me, groups = self.member, self.layout.groups
         for i, (ids, _) in enumerate(mbs):
             shape = (*ids.shape, h)  # (B_i, S, H)
             if not self.first:
@@ -331,7 +332,7 @@ class PipelineRunner:
         if self._inputs is None or len(self._inputs) != len(mbs):
             raise RuntimeError("isolated_compute needs the batches of a completed step()")
         denom = float(max(label_count(mbs), 1))
-        rec = SpanRecorder(self.stage, self.layout.names(self.pplan)[self.group.rank])
+        rec = SpanRecorder(self.stage, self.names[self.group.rank])
         self._barrier()
         with self._replay_rng():
             rec.start_step(self.steps_done - 1)

@@ -37,6 +37,9 @@ from xronos.planner.plan import Plan
 from xronos.planner.profile import DeviceProfile
 from xronos.planner.solve import plan_tp, predict
 
+NO_HYBRID = "a hybrid needs two devices on faster links than a third's"
+"""Why a cluster has no hybrid candidate at all."""
+
 
 @dataclass(frozen=True)
 class HybridPlan:

@@ -12,7 +12,7 @@ from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
 from xronos.planner import PipelinePlan
 from xronos.planner.auto import Candidate, plan_auto
-from xronos.planner.hybrid import HybridPlan
+from xronos.planner.hybrid import NO_HYBRID, HybridPlan
 from xronos.planner.memory import tp_need
 from xronos.planner.plan import Plan, segment_units
 from xronos.planner.profile import DeviceProfile, on_the_wire
@@ -36,7 +36,7 @@ behind in the counted steps), and the promise is never to be slower than one dev
 alone, the other devices also stay free."""
 
 _NONE = {
-    "hybrid": "a hybrid needs two devices on faster links than a third's",
+    "hybrid": NO_HYBRID,
     "pp-1f1b": "no stage split fits the devices' memory",
 }
 """Why ``only``'s kind has no candidate at all, when the planner gave none."""
