@@ -18,8 +18,9 @@ from xronos.pipeline.schedule import P2P
 from xronos.profiler.run import time_allreduce
 
 LATENCY_S = 0.02
-# 2 ranks: a ring all-reduce has 2 rounds, an all-gather 1; each message crosses both links.
-ALLREDUCE_S = 2 * (LATENCY_S + LATENCY_S)
+# 2 ranks exchange their tensors (xronos.comm.exchange): one round for an all-reduce and an
+# all-gather alike; each message crosses both links.
+ALLREDUCE_S = 1 * (LATENCY_S + LATENCY_S)
 ALLGATHER_S = 1 * (LATENCY_S + LATENCY_S)
 
 

@@ -45,7 +45,7 @@ def _sync(ctx: WorkerContext, late_s: float) -> float:
 
     import xronos.profiler.run as run
 
-    real = dist.all_reduce
+    real = run.exchange.all_reduce
     calls = [0]
 
     def late(*args: Any, **kwargs: Any) -> Any:  # rank 1 is late at every other barrier
@@ -54,11 +54,11 @@ def _sync(ctx: WorkerContext, late_s: float) -> float:
             time.sleep(late_s)
         return real(*args, **kwargs)
 
-    run.dist.all_reduce = late  # type: ignore[attr-defined]
+    run.exchange.all_reduce = late  # type: ignore[attr-defined]
     try:
         return run.measure_sync(ctx.group, round_s=0.005)
     finally:
-        run.dist.all_reduce = real  # type: ignore[attr-defined]
+        run.exchange.all_reduce = real  # type: ignore[attr-defined]
 
 
 def test_the_barrier_cost_is_the_mean_wait_for_a_late_device() -> None:

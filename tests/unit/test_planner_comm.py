@@ -94,8 +94,10 @@ def test_network_uses_the_measured_group_and_the_star_for_subsets() -> None:
     measured = LinkModel(0.5, 1e3)  # deliberately unlike the star, to see which is used
     net = Network(("a", "b", "c"), links, (("a", "b", "c"), measured))
     assert net.allreduce_s(1e3, ["c", "b", "a"]) == pytest.approx(1.5)
-    # a and b only: the star ring, 2 rounds of half the bytes, each edge 2 x 0.1 ms latency.
-    assert net.allreduce_s(1e6, ["a", "b"]) == pytest.approx(2 * (2e-4 + 0.5e6 / 1.25e8))
+    # a and b only: the star's pair, one exchange of the whole tensor (2 x 0.1 ms latency).
+    assert net.allreduce_s(1e6, ["a", "b"]) == pytest.approx(2e-4 + 1e6 / 1.25e8)
+    # b and c: the pair at the slower link's rate
+    assert net.allreduce_s(1e6, ["b", "c"]) == pytest.approx(2e-4 + 1e6 / 1.25e7)
     assert net.allreduce_s(1e6, ["a"]) == 0.0
     assert net.p2p_s(1e6, "a", "c") == pytest.approx(2e-4 + 1e6 / 1.25e7)
     assert net.p2p_s(1e6, "a", "a") == 0.0

@@ -23,6 +23,8 @@ machines on one switch: it is held up by both latencies and streams at the slowe
         every link carries 2(P-1)/P · B bytes in all, c = 2(P-1)B / (P·R) per round
     gloo ring all-gather (gloo/allgather.cc): 2(P-1) half-chunk sends, two in flight
         =>  R = P - 1 rounds of c = B bytes (B: one rank's part)
+    two ranks, all-reduce or all-gather (:mod:`xronos.comm.exchange`): each sends its
+        whole tensor to the other  =>  R = 1 round of c = B bytes
 
     in each round rank r receives c bytes from its ring predecessor p(r), over the link
     p(r) -> r, which carries one round's bytes at a time:
@@ -278,6 +280,8 @@ class LinkDelays:
     def allreduce_delay(self, rank: int, nbytes: int, element_size: int = 4) -> float:
         """Delay one all-reduce of ``nbytes``, just returned, adds for ``rank`` (call once
         per collective: under emulated rates it books this process's link)."""
+        if self.world == 2 and nbytes > 0:  # one exchange of the whole tensor
+            return self._ring(rank, 1, +1, float(nbytes))
         rounds = allreduce_rounds(self.world, nbytes, element_size)
         if not rounds:
             return 0.0

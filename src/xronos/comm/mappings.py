@@ -10,8 +10,9 @@ Shape algebra (``R`` ranks, hidden ``H``, tokens ``N = B·S``)::
 ``copy_to_tp`` sits before a column-parallel input, ``reduce_from_tp`` after a
 row-parallel output. Both are identities with one rank. Every collective goes through
 ``TPGroup.all_reduce`` so that it is timed (arrive/leave, DESIGN §6) and bounded by the
-group's timeout. A group with ``links`` adds its links' latency to every all-reduce and
-all-gather (the model is in :mod:`xronos.comm.links`).
+group's timeout; between two ranks it is one exchange of messages
+(:mod:`xronos.comm.exchange`). A group with ``links`` adds its links' latency to every
+all-reduce and all-gather (the model is in :mod:`xronos.comm.links`).
 
 **Lanes** (overlap, :meth:`TPGroup.with_lanes`): two threads of one rank may run two halves
 of a batch at once, each inside :func:`lane` ``k``; the collectives of lane ``k`` go over
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from xronos.comm import exchange
 from xronos.comm.groups import new_group
 from xronos.comm.links import LinkDelays
 from xronos.metrics.recorder import current_recorder
@@ -145,7 +147,7 @@ class TPGroup:
         pg, name = self._route(name)
         with current_recorder().collective(name, kind):
             if self.communicate:
-                dist.all_reduce(t, op=op, group=pg)
+                exchange.all_reduce(t, pg, op)
             self.link_wait(t, "all_reduce")
 
     def barrier(self) -> None:
@@ -171,7 +173,7 @@ class TPGroup:
             if not self.communicate:
                 out = [t.clone() for _ in range(self.size)]
             else:
-                dist.all_gather(out, t.contiguous(), group=pg)
+                exchange.all_gather(out, t.contiguous(), pg)
             self.link_wait(t, "all_gather")
         return out
 

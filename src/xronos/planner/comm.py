@@ -11,7 +11,8 @@ so a message of ``b`` bytes from ``i`` to ``j`` takes ``lat_i + lat_j + b / min(
 (:func:`pair`). A ring all-reduce of ``b`` bytes over ``r`` ranks takes ``2(r − 1)`` rounds,
 each moving ``b / r`` bytes over every edge of the ring at once, so a round lasts as long as
 the slowest edge: ``2(r − 1) · (max_edge lat + b / (r · min bw))`` (:func:`ring`, then
-:meth:`LinkModel.allreduce_s`). With one rank nothing moves.
+:meth:`LinkModel.allreduce_s`). Two ranks exchange their whole tensors in one round
+(:mod:`xronos.comm.exchange`): ``lat + b / bw``. With one rank nothing moves.
 
 **Measurement** (:mod:`xronos.profiler.run`): every pair of devices exchanges messages of
 two sizes; a line through those points is the pair's link (:meth:`LinkModel.fit`), and
@@ -115,9 +116,12 @@ class LinkModel:
         return self.latency_s + line / self.bandwidth_bps + (bulk / self.bulk_bps if bulk else 0.0)
 
     def allreduce_s(self, nbytes: float, ranks: int) -> float:
-        """A ring all-reduce of ``nbytes`` over ``ranks`` ranks whose slowest edge is this link."""
+        """A ring all-reduce of ``nbytes`` over ``ranks`` ranks whose slowest edge is this
+        link; two ranks exchange their tensors in one round (:mod:`xronos.comm.exchange`)."""
         if ranks <= 1:
             return 0.0
+        if ranks == 2:
+            return self.p2p_s(nbytes)
         return 2 * (ranks - 1) * self.p2p_s(nbytes / ranks)
 
     def to_dict(self) -> dict[str, float | str]:
