@@ -120,3 +120,4 @@ def _mismatch(ctx: WorkerContext, _: object) -> str:
 def test_a_shape_mismatch_raises_under_distributed_debug() -> None:
     for got in run_world(_mismatch, 2):
         assert "another dtype or shape" in got, got
+
