@@ -39,6 +39,11 @@ def test_bench_smoke(tmp_path: Path) -> None:
     solo = bench["solo_step_time_s"]
     assert set(solo) == {"fast", "slow"} and min(solo.values()) > 0
     assert bench["ideal_step_time_s"] == pytest.approx(1 / sum(1 / t for t in solo.values()))
+    # the same solo steps as speeds against the fastest device's, beside what was asked
+    speeds = bench["solo_speed"]
+    assert speeds["fast"]["asked"] == 1.0 and speeds["slow"]["asked"] == pytest.approx(0.4)
+    assert speeds["slow"]["measured"] == pytest.approx(min(solo.values()) / solo["slow"])
+    assert max(v["measured"] for v in speeds.values()) == 1.0
     strategies = bench["strategies"]
     assert set(strategies) == {"auto", "xronos", "tp-even", "pp-gpipe", "pp-1f1b", "single"}
     # auto ran what it picked (or, for a hybrid, the best runnable) and says which

@@ -99,6 +99,7 @@ def build_report(
     ]
     solo = out.solo_step_time_s
     result["solo_step_time_s"] = {d.name: t for d, t in zip(cluster.devices, solo, strict=True)}
+    result["solo_speed"] = solo_speeds(cluster, solo)
     single = result["strategies"].get("single", {}).get("step_time_s") or solo[fastest]
     known = [t for t in solo if t]
     # DESIGN §6: the compute bound, from every device's measured solo step; no transfer term
@@ -112,6 +113,19 @@ def build_report(
         entry["speedup_vs_single"] = single / step if single else None
     result.update(meta)
     return result
+
+
+def solo_speeds(cluster: ClusterSpec, solo: list[float | None]) -> dict[str, dict[str, float]]:
+    """Each device's speed during the run against the fastest one's — the ratio of their
+    solo steps, measured inside their limits between the strategies' steps — next to the
+    ratio the cluster asks (``cores × cpu_quota``). The start-up check measures each device
+    once, on a fixed kernel; this shows whether the speeds held while the steps ran."""
+    known = [(d, t) for d, t in zip(cluster.devices, solo, strict=True) if t]
+    if not known:
+        return {}
+    top = max(d.capacity for d, _ in known)
+    best = min(t for _, t in known)
+    return {d.name: {"asked": d.capacity / top, "measured": best / t} for d, t in known}
 
 
 def write_outputs(result: dict[str, Any], out_dir: Path, out: BenchOutput) -> None:

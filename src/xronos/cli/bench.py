@@ -301,6 +301,11 @@ def bench_once(
             )
     write_outputs(result, out_dir, out)
     print(format_bench_table(result))
+    if speeds := result.get("solo_speed"):
+        print(
+            "speeds during the run (solo step against the fastest device's; asked): "
+            + ", ".join(f"{n} {v['measured']:.2f} ({v['asked']:.2f})" for n, v in speeds.items())
+        )
     ideal = result["ideal_step_time_s"]
     print(
         (f"ideal step time {ideal:.3f} s; " if ideal else "ideal step time unknown; ")
