@@ -298,11 +298,19 @@ def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
     )
 
 
+WHOLE_STEP_WARMUP = 2
+"""Untimed steps before the whole step is timed. The first two steps of a freshly built
+model run slower than the rest (the allocator still growing, AdamW's moments created):
+measured in the profiler on ``ci-2dev``, steps 1-6 took 0.76, 0.74, 0.61, 0.60, 0.71,
+0.67 s on the full-speed device and 2.64, 1.92, 1.34, 1.56, 1.38, 1.38 s on the 0.4 one,
+so timing the second step put every prediction 10-40 % high."""
+
+
 def time_whole_step(shape: Shape, repeats: int = 1) -> float:
     """Seconds of one real training step of the whole model on this device (random weights,
-    LoRA when profiled with it), after one untimed step: what the segments' sum stands
-    for, with everything the parts leave out (the model's own Python, the loss, one
-    optimizer over every parameter, caches shared between layers)."""
+    LoRA when profiled with it), after :data:`WHOLE_STEP_WARMUP` untimed steps: what the
+    segments' sum stands for, with everything the parts leave out (the model's own Python,
+    the loss, one optimizer over every parameter, caches shared between layers)."""
     cfg = shape.cfg
     model = LlamaForCausalLM(cfg)
     init_weights(model, seed=0)
@@ -320,7 +328,7 @@ def time_whole_step(shape: Shape, repeats: int = 1) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return best_time(step, repeats=repeats, warmup=1)
+    return best_time(step, repeats=repeats, warmup=WHOLE_STEP_WARMUP)
 
 
 def unit_bytes(shape: Shape) -> dict[str, int]:
