@@ -61,7 +61,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
                 "update",
                 "bulk link",
                 "pair exchange",  # two ranks' all-reduce: one exchange, not gloo's ring
-                "whole step after 2 warm-up steps",
+                "whole step: the trainer's, after 2 warm-up steps",
             ],
             "optimizer": "adamw fused",  # the step's optimizer, as the update is timed
         },
