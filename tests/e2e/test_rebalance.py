@@ -5,6 +5,7 @@ benchmarks (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 
 from tests.unit.test_emulation_cgroups import NO_CGROUPS
 from xronos.cli import main
+from xronos.run.rebalance import COOLDOWN
 
 # the other program joins the slow device's cgroups
 pytestmark = pytest.mark.skipif(NO_CGROUPS is not None, reason=str(NO_CGROUPS))
@@ -50,10 +52,19 @@ def test_the_plan_stays_until_another_program_starts_on_the_slow_device(tmp_path
     assert [r["device"] for r in back] == ["slow"] and back[0]["step"] >= DISTURB_AT
     rows = _rows(run)
     moves = [r for r in rows if r.get("event") == "replan"]
-    assert len(moves) == 1, moves
+    assert moves, "no move after the program started"
     # not while nothing changed (steps 1-36: no chasing noise), then within the window
     # after the program started (the recent median needs half of it), before the end
     assert DISTURB_AT < moves[0]["step"] <= DISTURB_AT + 16 < STEPS
+    # The program keeps running: the slow device's speed beside it need not settle with
+    # the first move (on one host, 2 of 5 runs moved again 24 steps later, the slow
+    # device's compute against the fast one's having changed by x1.33 and x0.76 since the
+    # first move, each predicted to save 7 s against a 1.4-1.6 s move). A later move must
+    # wait out the cooldown and pay for itself like the first.
+    steps = [m["step"] for m in moves]
+    assert all(b - a >= COOLDOWN for a, b in itertools.pairwise(steps)), steps
+    # the rebalancer's rule: over the steps left, more than twice what the last move took
+    assert all(b["predicted_gain_s"] > 2 * a["move_s"] for a, b in itertools.pairwise(moves))
     move = moves[0]
     assert move["before"] != move["after"] and move["move_s"] > 0
     assert move["predicted_gain_s"] > 0  # the new plan is predicted faster over the steps left
