@@ -57,7 +57,7 @@ def test_the_plan_stays_until_another_program_starts_on_the_slow_device(tmp_path
     # after the program started (the recent median needs half of it), before the end
     assert DISTURB_AT < moves[0]["step"] <= DISTURB_AT + 16 < STEPS
     # The program keeps running: the slow device's speed beside it need not settle with
-    # the first move (on one host, 2 of 5 runs moved again 24 steps later, the slow
+    # the first move (on one host, 2 of 4 recorded runs moved again 24 steps later, the slow
     # device's compute against the fast one's having changed by x1.33 and x0.76 since the
     # first move, each predicted to save 7 s against a 1.4-1.6 s move). A later move must
     # wait out the cooldown and pay for itself like the first.
