@@ -22,9 +22,10 @@ from torch import nn
 
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
-from xronos.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, init_weights
+from xronos.model.llama import MLP, Attention, RMSNorm
 from xronos.model.lora import LoRAConfig, add_lora
 from xronos.model.rope import RotaryEmbedding
+from xronos.parallel.shard import build_model
 from xronos.parallel.vocab import vocab_parallel_cross_entropy
 from xronos.planner.plan import Plan, segment_units
 from xronos.planner.profile import CostCurve
@@ -316,15 +317,10 @@ def time_whole_step(shape: Shape, repeats: int = 1) -> float:
     (:class:`~xronos.train.trainer.Trainer`, default optimizer settings): a bare
     forward + backward + AdamW ran 4-5 % faster than it on ``small``."""
     cfg = shape.cfg
-    model = LlamaForCausalLM(cfg)
-    init_weights(model, seed=0)
-    if shape.lora is not None:
-        add_lora(model, shape.lora, seed=0)
-        for name, p in model.named_parameters():
-            p.requires_grad_(".lora_" in name)
+    plan = Plan.single(cfg)
+    model = build_model(cfg, plan, TPGroup(), lora=shape.lora)  # what ``single`` trains
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (shape.batch_size, shape.seq_len), generator=gen)
-    plan = Plan.single(cfg)
     trainer = Trainer(model, cfg, plan, TPGroup(), OptimConfig())
 
     def step() -> None:
