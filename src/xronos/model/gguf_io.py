@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from xronos.errors import UserError
+from xronos.model.gguf_parse import GGUFFile, GGUFTensor, read_gguf
 
 #: GGUF ``general.architecture`` -> Hugging Face architecture.
 GGUF_ARCHITECTURES = {
@@ -115,9 +116,9 @@ def permute_qk(t: torch.Tensor, n_head: int) -> torch.Tensor:
     return out
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    f = reader.get_field(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    value = reader.get(key, default)
+    return list(value) if isinstance(value, list) else value  # a copy, as callers may edit it
 
 
 def _f32(x: float) -> float:
@@ -135,7 +136,7 @@ class GGUFReader:
         if not self.path.is_file():
             raise UserError(f"{self.path}: no such GGUF file")
         try:
-            self._reader: gguf.GGUFReader | None = gguf.GGUFReader(self.path, "r")
+            self._reader: GGUFFile | None = read_gguf(self.path)
         except (ValueError, OSError, KeyError) as e:
             raise UserError(f"{self.path}: not a readable GGUF file ({e})") from e
         self.arch = str(_field(self._reader, "general.architecture", ""))
@@ -144,8 +145,8 @@ class GGUFReader:
                 f"{self.path}: unsupported GGUF architecture {self.arch!r}; supported: "
                 f"{', '.join(GGUF_ARCHITECTURES)}"
             )
-        self._tensors: dict[str, Any] = {}
-        self._extra: dict[str, Any] = {}
+        self._tensors: dict[str, GGUFTensor] = {}
+        self._extra: dict[str, GGUFTensor] = {}
         for t in self._reader.tensors:
             hf = gguf_to_hf_name(t.name)
             if hf is not None:
@@ -166,13 +167,13 @@ class GGUFReader:
 
     def shape(self, name: str) -> list[int]:
         """Hugging Face shape (``[out, in]`` for a matrix) of tensor ``name``."""
-        return [int(n) for n in reversed(self._tensor(name).shape.tolist())]
+        return [int(n) for n in reversed(self._tensor(name).shape)]
 
     def tensor_type(self, name: str) -> str:
         """The GGML storage type of ``name`` (``F32``, ``Q8_0``, ``Q4_K``, ...)."""
         return str(self._tensor(name).tensor_type.name)
 
-    def _tensor(self, name: str) -> Any:
+    def _tensor(self, name: str) -> GGUFTensor:
         if self._reader is None:
             raise ValueError("GGUFReader is closed")
         if name not in self._tensors:
@@ -224,7 +225,7 @@ class GGUFReader:
         return self._dequantize(t, rows, cols, vector=len(shape) == 1)
 
     def _dequantize(
-        self, t: Any, rows: slice | np.ndarray, cols: tuple[int, int], vector: bool
+        self, t: GGUFTensor, rows: slice | np.ndarray, cols: tuple[int, int], vector: bool
     ) -> torch.Tensor:
         qtype = t.tensor_type
         data = t.data
