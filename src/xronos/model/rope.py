@@ -16,9 +16,12 @@ from xronos.config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """(d/2,) rotary inverse frequencies, after ``rope_scaling`` if any."""
+    """(d/2,) rotary inverse frequencies, after ``rope_scaling`` if any; computed on the CPU
+    even where the model is built on ``meta``, whose factory functions import torch's
+    compiler (2 s and 71 MiB a process)."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    steps = torch.arange(0, d, 2, dtype=torch.float64, device="cpu")
+    inv = 1.0 / (cfg.rope_theta ** (steps / d))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
