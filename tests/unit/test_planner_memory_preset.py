@@ -27,12 +27,15 @@ MIB = 2**20
 SECONDS_PER_UNIT = {"attn": 0.02, "mlp": 0.004, "vocab": 0.001}  # at speed 1.0
 
 # What a device process holds with no model alive: the interpreter, torch (its
-# distributed package included) and what building a model on the meta device loads. The
-# bench measures the same figure on each device after profiling (326-329 MiB); this fresh
-# process, without the launcher and the profiler, resides some 20 MiB lower (~309 MiB),
-# which only shrinks single's predicted need below: the check errs towards "fits".
+# distributed package included), what the workers' parent process preloads for them
+# (xronos.comm.warm: the optimizer's compiler stack) and what building a model on the meta
+# device loads. The bench measures the same figure on each device after profiling
+# (326-329 MiB); this fresh process, without the launcher and the profiler, resides some
+# 20 MiB lower (~309 MiB), which only shrinks single's predicted need below: the check errs
+# towards "fits".
 RUNTIME_PROBE = """
 import gc, torch, torch.distributed
+import xronos.comm.warm
 from xronos.parallel.shard import build_meta
 from xronos.train.source import ModelSource
 build_meta(ModelSource.from_name("small").cfg)
