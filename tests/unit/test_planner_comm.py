@@ -208,3 +208,36 @@ def test_the_narrower_sustained_rate_limits_pairs_rings_and_the_star() -> None:
     links = star_links(2, {(0, 1): p})
     assert all(x.sustained_bps == 1e8 and x.knee_bytes == 65536 for x in links)
     assert pair(*links).p2p_s(1e7) == pytest.approx(p.p2p_s(1e7))
+
+
+def test_weight_gradients_hide_the_backward_seams_up_to_their_share() -> None:
+    from xronos.planner.comm import OVERLAP_SHARE, overlapped_seams
+
+    cfg = small()
+    traffic = tp_traffic(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, tokens=512)
+    # One of each layer's two all-reduces at attn and mlp, the LM head's at vocab; never
+    # the loss's statistics or the step's collectives.
+    seams = overlapped_seams(traffic)
+    assert seams == {"attn": 4, "mlp": 4, "vocab": 1}
+    act = 4 * 512 * cfg.hidden_size
+    capped: dict[float, set[str]] = {}
+    for bw in (1.25e9, 1.25e7):  # 10 Gbit/s and 100 Mbit/s
+        links = [profile(n, s, LinkModel(1e-4, bw)) for n, s in (("a", 1.0), ("b", 0.4))]
+        net = network_of(links)
+        assert net is not None
+        pred = predict(plan_tp(cfg, links), links)
+        one = net.allreduce_s(act, ["a", "b"])
+        full = net.traffic_s(traffic, ["a", "b"])
+        capped[bw] = set()
+        for s, seg in pred["segments"].items():
+            n = seams.get(s, 0)
+            hidden = full[s] - seg["transfer_s"]
+            # what hides: the seams' all-reduces, up to the weight gradients' share
+            assert hidden == pytest.approx(min(n * one, OVERLAP_SHARE.get(s, 0) * seg["barrier_s"]))
+            if hidden < n * one - 1e-12:
+                capped[bw].add(s)
+        assert pred["step_time_s"] == pytest.approx(
+            pred["compute_step_s"] + pred["transfer_s"] + pred["sync_s"]
+        )
+    assert capped[1.25e9] == set()  # a fast link hides whole behind the weight gradients
+    assert capped[1.25e7] == set(seams)  # a slow one only up to their share

@@ -29,6 +29,8 @@ fingerprint of the call (operation, dtype, shape) and raise on any difference.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -68,19 +70,54 @@ def _check(t: torch.Tensor, what: str, peer: int, pg: dist.ProcessGroup) -> None
         )
 
 
+Send = Callable[[Callable[[], "dist.Work"]], "Future[dist.Work]"]
+"""How a message is issued later (a link's latency): called with the function that hands
+it to gloo, it runs that function in due time and returns the future of its work."""
+
+
+class Swap:
+    """One exchange in flight: ``t`` sent to the peer, its tensor arriving in ``out``.
+    :meth:`wait` ends both (bounded by the group's timeout)."""
+
+    def __init__(
+        self,
+        t: torch.Tensor,
+        out: torch.Tensor,
+        peer: int,
+        pg: dist.ProcessGroup,
+        tag: int,
+        send: Send | None = None,
+    ) -> None:
+        self.peer = peer
+        recv = dist.irecv(out, src=peer, group=pg, tag=tag)
+        if recv is None:  # torch's answer for a rank outside the group
+            raise RuntimeError("exchange: this rank is not a member of the group")
+        self._recv: dist.Work = recv
+
+        def issue() -> dist.Work:
+            work = dist.isend(t, dst=peer, group=pg, tag=tag)
+            if work is None:
+                raise RuntimeError("exchange: this rank is not a member of the group")
+            return work
+
+        self._later = send(issue) if send is not None else None
+        self._sent = issue() if self._later is None else None
+
+    def wait(self) -> None:
+        try:
+            self._recv.wait()
+            sent = self._later.result() if self._later is not None else self._sent
+            if sent is not None:
+                sent.wait()
+        except RuntimeError as e:  # a timeout or a lost connection: a failed collective
+            if isinstance(e, dist.DistError):
+                raise
+            raise dist.DistError(f"exchange with rank {self.peer}: {e}") from e
+
+
 def _swap(t: torch.Tensor, out: torch.Tensor, peer: int, pg: dist.ProcessGroup, tag: int) -> None:
     """Send ``t`` to ``peer`` and receive its tensor into ``out``; both waits bounded."""
-    recv = dist.irecv(out, src=peer, group=pg, tag=tag)
-    send = dist.isend(t, dst=peer, group=pg, tag=tag)
-    if recv is None or send is None:  # torch's answer for a rank outside the group
-        raise RuntimeError("exchange: this rank is not a member of the group")
-    try:
-        recv.wait()
-        send.wait()
-    except RuntimeError as e:  # a timeout or a lost connection: a failed collective
-        if isinstance(e, dist.DistError):
-            raise
-        raise dist.DistError(f"exchange with rank {peer}: {e}") from e
+    Swap(t, out, peer, pg, tag).wait()
 
 
 def all_reduce(t: torch.Tensor, pg: dist.ProcessGroup | None, op: Any = dist.ReduceOp.SUM) -> None:
@@ -94,6 +131,49 @@ def all_reduce(t: torch.Tensor, pg: dist.ProcessGroup | None, op: Any = dist.Red
     other = torch.empty_like(t)
     _swap(t, other, peer, pg, REDUCE_TAG)
     _COMBINE[op](t, other)
+
+
+class Reduction:
+    """An all-reduce in flight (:func:`start_all_reduce`); :meth:`wait` leaves the result
+    in the tensor it was started on."""
+
+    def __init__(
+        self,
+        t: torch.Tensor,
+        op: Any,
+        swap: tuple[Swap, torch.Tensor] | None = None,
+        work: dist.Work | None = None,
+    ) -> None:
+        self.t, self._op, self._swap, self._work = t, op, swap, work
+
+    def wait(self) -> torch.Tensor:
+        if self._swap is not None:
+            swap, other = self._swap
+            swap.wait()
+            _COMBINE[self._op](self.t, other)
+        elif self._work is not None:
+            self._work.wait()
+        self._swap = self._work = None
+        return self.t
+
+
+def start_all_reduce(
+    t: torch.Tensor,
+    pg: dist.ProcessGroup | None,
+    op: Any = dist.ReduceOp.SUM,
+    send: Send | None = None,
+) -> Reduction:
+    """:func:`all_reduce` of ``t`` that returns once its messages are issued: the caller
+    computes on while they travel, then waits (``t`` must not be touched before). ``send``
+    issues this rank's message (see :data:`Send`). Other group sizes and operations start
+    gloo's collective on its worker thread."""
+    peer = _peer(pg) if op in _COMBINE and t.is_contiguous() else None
+    if peer is None or pg is None:
+        work = dist.all_reduce(t, op=op, group=pg, async_op=True)
+        return Reduction(t, op, work=work)
+    _check(t, f"all_reduce {op}", peer, pg)
+    other = torch.empty_like(t)
+    return Reduction(t, op, swap=(Swap(t, other, peer, pg, REDUCE_TAG, send), other))
 
 
 def all_gather(out: list[torch.Tensor], t: torch.Tensor, pg: dist.ProcessGroup | None) -> None:

@@ -24,7 +24,8 @@ while one lane computes and the other waits on the wire. Their spans are named
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -150,6 +151,29 @@ class TPGroup:
                 exchange.all_reduce(t, pg, op)
             self.link_wait(t, "all_reduce")
 
+    def start_all_reduce(self, t: torch.Tensor, name: str, kind: str = COLLECTIVE) -> PendingReduce:
+        """In-place all-reduce (sum) of ``t`` (contiguous) that lets this rank compute
+        while it travels: the messages are issued now, each after its link's latency
+        where the links add one; :meth:`PendingReduce.wait` ends it. Only the wait is
+        timed and recorded as ``name``: the time before it is compute."""
+        if self.size == 1:
+            return PendingReduce(t, None, name, kind)
+        pg, name = self._route(name)
+        if not self.communicate:
+            return PendingReduce(t, None, name, kind)
+        links, peer = self.delays(), 1 - self.rank
+        send: exchange.Send | None = None
+        if links is not None and self.size == 2:
+            nbytes = t.numel() * t.element_size()
+
+            def send(issue: Callable[[], dist.Work]) -> Future[dist.Work]:
+                return links.send_later(self.rank, peer, issue, nbytes)
+
+        reduction = exchange.start_all_reduce(t, pg, dist.ReduceOp.SUM, send)
+        # A ring over more ranks: its latency is added once it is done, as for all_reduce.
+        late = self if links is not None and self.size != 2 else None
+        return PendingReduce(t, reduction, name, kind, late)
+
     def barrier(self) -> None:
         """Wait for every rank (bounded by the group's timeout; not recorded)."""
         if self.size > 1 and self.communicate:
@@ -176,6 +200,53 @@ class TPGroup:
                 exchange.all_gather(out, t.contiguous(), pg)
             self.link_wait(t, "all_gather")
         return out
+
+
+class PendingReduce:
+    """An all-reduce in flight (:meth:`TPGroup.start_all_reduce`)."""
+
+    def __init__(
+        self,
+        t: torch.Tensor,
+        reduction: exchange.Reduction | None,
+        name: str,
+        kind: str,
+        late: TPGroup | None = None,
+    ) -> None:
+        self.t, self._reduction, self.name, self.kind = t, reduction, name, kind
+        self._late = late
+
+    def wait(self) -> torch.Tensor:
+        """The reduced tensor (the one started on), after waiting for the others' parts."""
+        with current_recorder().collective(self.name, self.kind):
+            if self._reduction is not None:
+                self._reduction.wait()
+                self._reduction = None
+                if self._late is not None:
+                    self._late.link_wait(self.t, "all_reduce")
+        return self.t
+
+
+class PendingActivation:
+    """An activation's all-reduce in flight (:func:`start_reduce_activation`)."""
+
+    def __init__(self, pending: PendingReduce, dtype: torch.dtype) -> None:
+        self._pending, self._dtype = pending, dtype
+
+    def wait(self) -> torch.Tensor:
+        return self._pending.wait().to(self._dtype)
+
+
+def start_reduce_activation(
+    t: torch.Tensor, group: TPGroup, name: str, kind: str
+) -> PendingActivation:
+    """:func:`reduce_activation` that computes on while it travels (see
+    :meth:`TPGroup.start_all_reduce`); ``wait()`` gives the sum in ``t``'s dtype."""
+    if group.payload is None or group.payload == t.dtype:
+        y = t.contiguous().clone()
+    else:
+        y = t.to(group.payload).contiguous()
+    return PendingActivation(group.start_all_reduce(y, name, kind), t.dtype)
 
 
 def reduce_activation(t: torch.Tensor, group: TPGroup, name: str, kind: str) -> torch.Tensor:
@@ -229,17 +300,6 @@ def reduce_from_tp(
     if group.size == 1:
         return x
     return _ReduceFromTP.apply(x, group, name, kind)  # type: ignore[no-any-return]
-
-
-class CopyToTP(torch.nn.Module):
-    """Module form of :func:`copy_to_tp`, for the model's ``enter`` seam."""
-
-    def __init__(self, group: TPGroup, name: str, kind: str = COLLECTIVE) -> None:
-        super().__init__()
-        self.group, self.name, self.kind = group, name, kind
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return copy_to_tp(x, self.group, self.name, self.kind)
 
 
 class ReduceFromTP(torch.nn.Module):

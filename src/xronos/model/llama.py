@@ -8,7 +8,9 @@ export without renaming.
 Nothing here knows about devices. Tensor parallelism arrives from outside
 (``xronos.parallel.shard_model``) through two seams per block:
 
-* ``enter`` -- identity on one device; ``copy_to_tp`` (backward all-reduce) when sharded.
+* ``enter`` -- identity on one device; ``copy_to_tp`` (backward all-reduce) when sharded,
+  which may also run the projections it feeds (:func:`project`: their backward then
+  overlaps that all-reduce with the weight gradients).
 * ``exit``  -- identity on one device; ``reduce_from_tp`` (forward all-reduce) when sharded.
 
 and through the *shapes* of the projections: a sharded attention simply has fewer heads
@@ -38,6 +40,18 @@ class Head(Protocol):
     def loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
 
     def greedy(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
+def project(
+    enter: nn.Module, x: torch.Tensor, linears: tuple[nn.Module, ...]
+) -> tuple[torch.Tensor, ...]:
+    """The ``enter`` seam, then each of ``linears`` on its output: the seam's own
+    ``project`` where it has one (a sharded block's fuses them), else one after the other."""
+    fused = getattr(enter, "project", None)
+    if fused is not None:
+        return fused(x, linears)  # type: ignore[no-any-return]
+    y = enter(x)
+    return tuple(lin(y) for lin in linears)
 
 
 class RMSNorm(nn.Module):
@@ -83,10 +97,10 @@ class Attention(nn.Module):
         # query heads and the K/V heads of every group they touch, possibly none (the empty
         # projections then yield zeros, and the seams' collectives still run).
         n_q, n_kv = self.q_proj.weight.shape[0] // d, self.k_proj.weight.shape[0] // d
-        x = self.enter(x)
-        q = self.q_proj(x).view(b, s, n_q, d).transpose(1, 2)  # (B, nq, S, d)
-        k = self.k_proj(x).view(b, s, n_kv, d).transpose(1, 2)  # (B, nkv, S, d)
-        v = self.v_proj(x).view(b, s, n_kv, d).transpose(1, 2)  # (B, nkv, S, d)
+        q, k, v = project(self.enter, x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(b, s, n_q, d).transpose(1, 2)  # (B, nq, S, d)
+        k = k.view(b, s, n_kv, d).transpose(1, 2)  # (B, nkv, S, d)
+        v = v.view(b, s, n_kv, d).transpose(1, 2)  # (B, nkv, S, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *cos_sin)
@@ -129,8 +143,8 @@ class MLP(nn.Module):
         self.exit: nn.Module = nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.enter(x)
-        return self.exit(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        gate, up = project(self.enter, x, (self.gate_proj, self.up_proj))
+        return self.exit(self.down_proj(F.silu(gate) * up))
 
 
 class Block(nn.Module):

@@ -29,7 +29,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from xronos.comm.mappings import CopyToTP, ReduceFromTP, TPGroup
+from xronos.comm.mappings import ReduceFromTP, TPGroup
 from xronos.comm.relay import RemoteModelReader, installed
 from xronos.config import ModelConfig
 from xronos.errors import UserError
@@ -37,6 +37,7 @@ from xronos.model.llama import Attention, Block, LlamaForCausalLM
 from xronos.model.lora import LoRAConfig, LoRALinear, add_lora, lora_init
 from xronos.model.readers import ModelReader, open_model_reader
 from xronos.model.rope import RotaryEmbedding
+from xronos.parallel.columns import ColumnSeam
 from xronos.parallel.spec import ShardSpec, shard_spec
 from xronos.parallel.vocab import VocabParallelEmbedding, VocabParallelHead
 from xronos.planner.plan import Plan, segment_kind
@@ -266,9 +267,9 @@ def wire_seams(model: LlamaForCausalLM, cfg: ModelConfig, plan: Plan, group: TPG
         if isinstance(layer, Absent):
             continue
         attn, mlp = segment_kind("attn", i), segment_kind("mlp", i)
-        layer.self_attn.enter = CopyToTP(group, f"L{i}.attn.in", attn)
+        layer.self_attn.enter = ColumnSeam(group, f"L{i}.attn.in", attn)
         layer.self_attn.exit = ReduceFromTP(group, f"L{i}.attn.out", attn)
-        layer.mlp.enter = CopyToTP(group, f"L{i}.mlp.in", mlp)
+        layer.mlp.enter = ColumnSeam(group, f"L{i}.mlp.in", mlp)
         layer.mlp.exit = ReduceFromTP(group, f"L{i}.mlp.out", mlp)
     v0, _ = plan.bounds("vocab", group.rank, cfg.vocab_size)
     if not isinstance(model.lm_head, Absent):

@@ -12,7 +12,8 @@ Cross-entropy in one collective (instead of Megatron's three)::
     lse   = logsumexp_r(lse_*),  loss_n = lse − Σ_r t_*
     dz_r  = softmax part exp(z_r − lse) − onehot_r(y)       no communication
 
-The gradient of ``h`` is a per-rank partial; ``copy_to_tp`` before the head all-reduces it.
+The gradient of ``h`` is a per-rank partial; the seam before the head all-reduces it
+(:func:`~xronos.parallel.columns.project_columns`, overlapped with the head's gradient).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xronos.comm.mappings import TPGroup, copy_to_tp, reduce_from_tp
+from xronos.comm.mappings import TPGroup, reduce_from_tp
+from xronos.parallel.columns import project_columns
 from xronos.planner.plan import segment_kind
 
 VOCAB = segment_kind("vocab")  # the segment these collectives close (calibration)
@@ -78,7 +80,8 @@ class VocabParallelHead(nn.Module):
         self.v0, self.vocab_size, self.group = v0, vocab_size, group
 
     def local_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(copy_to_tp(h, self.group, "head", VOCAB))  # type: ignore[no-any-return]
+        (logits,) = project_columns(h, self.group, "head", VOCAB, (self.lm_head,))
+        return logits
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Full logits (B, S, V), gathered: for inference and tests, never in training."""

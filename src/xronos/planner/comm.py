@@ -222,6 +222,27 @@ def tp_traffic(
     }
 
 
+OVERLAP_SHARE = {"attn": 3 / 12, "mlp": 2 / 9, "vocab": 1 / 3}
+"""Of a barrier's compute, the share that runs while its column seams' backward all-reduces
+are on the wire (:mod:`xronos.parallel.columns`): the weight gradients of the projections
+after the seam, counted in products of equal size per unit. Attention: q, k and v of 12
+(four projections, each forward, input gradient and weight gradient; the attention core,
+~6 % of the projections' work at 64 tokens and hidden 512, is left out); MLP: gate and up
+of 9; the LM head: its weight gradient, 1 of 3."""
+
+
+def overlapped_seams(traffic: Traffic) -> dict[str, int]:
+    """Per barrier, how many of its activation all-reduces (the largest messages) are a
+    column seam's backward, which overlaps the weight gradients: one of each layer's two
+    at ``attn`` and ``mlp``, the LM head's at ``vocab``."""
+    act = max((b for entries in traffic.values() for _, b in entries), default=0)
+    out = {}
+    for s in OVERLAP_SHARE:
+        count = sum(c for c, b in traffic.get(s, ()) if b == act and act > 0)
+        out[s] = count // 2 if s != "vocab" else min(count, 1)
+    return out
+
+
 @dataclass(frozen=True)
 class Network:
     """The links among a set of devices, as the planner predicts with them."""
@@ -247,6 +268,20 @@ class Network:
     def p2p_s(self, nbytes: float, src: str, dst: str) -> float:
         """One message of ``nbytes`` from ``src`` to ``dst`` (0 on the same device)."""
         return 0.0 if src == dst else pair(self.link(src), self.link(dst)).p2p_s(nbytes)
+
+    def hidden_s(
+        self, traffic: Traffic, ranks: Sequence[str], barriers: Mapping[str, float]
+    ) -> dict[str, float]:
+        """Seconds of each barrier's collectives that its weight gradients hide: the
+        overlapped seams' all-reduces, up to :data:`OVERLAP_SHARE` of the barrier's
+        compute (``barriers``: seconds from one barrier to the next, per segment)."""
+        act = max((b for entries in traffic.values() for _, b in entries), default=0)
+        one = self.allreduce_s(act, ranks)
+        return {
+            s: min(n * one, OVERLAP_SHARE[s] * barriers.get(s, 0.0))
+            for s, n in overlapped_seams(traffic).items()
+            if n > 0
+        }
 
     def traffic_s(
         self, traffic: Mapping[str, Sequence[tuple[int, int]]], ranks: Sequence[str]

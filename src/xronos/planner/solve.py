@@ -275,6 +275,18 @@ def transfer_by_segment(profiles: Sequence[DeviceProfile]) -> dict[str, float]:
     return net.traffic_s(traffic, [p.name for p in profiles])
 
 
+def _hidden_by_segment(
+    times: Mapping[str, Sequence[float]], profiles: Sequence[DeviceProfile]
+) -> dict[str, float]:
+    """Per segment, the collectives' seconds its weight gradients hide
+    (:meth:`~xronos.planner.comm.Network.hidden_s`)."""
+    net = network_of(profiles)
+    if net is None or len(profiles) < 2 or not profiles[0].traffic:
+        return {}
+    barriers = {s: max(t) for s, t in times.items()}
+    return net.hidden_s(profiles[0].traffic, [p.name for p in profiles], barriers)
+
+
 def sync_by_segment(
     times: Mapping[str, Sequence[float]], profiles: Sequence[DeviceProfile]
 ) -> dict[str, float]:
@@ -320,11 +332,14 @@ def predict(
     the collectives' time after the barrier (``transfer_s``); per device ``compute_s``
     (replicated work + shards, = ``DeviceProfile.step_time``), ``idle_s`` and
     ``idle_ratio`` (idle / step time, DESIGN §6); ``compute_step_s`` (Σ barriers);
-    ``transfer_s`` (every collective of the step, :func:`transfer_by_segment`);
+    ``transfer_s`` (every collective of the step, :func:`transfer_by_segment`, less
+    what the weight gradients hide behind the column seams' backward all-reduces);
     ``step_time_s`` (Σ barriers + transfer); ``idle_ratio_mean`` and ``idle_ratio_max``.
     """
     times = _segment_times(plan, profiles, _shares(replicated_share))
     by_segment = transfer_by_segment(profiles)
+    hidden = _hidden_by_segment(times, profiles)
+    by_segment = {s: t - hidden.get(s, 0.0) for s, t in by_segment.items()}
     jitter = sync_by_segment(times, profiles)
     segments: dict[str, Any] = {}
     for s, t in times.items():
