@@ -77,14 +77,15 @@ def _grads(ctx: WorkerContext, fused: bool) -> dict[str, Any]:
     }
 
 
-def _both(ctx: WorkerContext, _: object) -> tuple[dict[str, Any], dict[str, Any]]:
+def _both(ctx: WorkerContext, autocast: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     assert isinstance(ctx.group, TPGroup)
-    return _grads(ctx, True), _grads(ctx, False)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return _grads(ctx, True), _grads(ctx, False)
 
 
 def test_the_fused_seam_gives_the_unfused_gradients() -> None:
-    for rank_result in run_world(_both, 2):
-        fused, plain = rank_result
+    results = run_world(_both, 2, False)
+    for fused, plain in results:
         assert fused["collectives"] == plain["collectives"] == ["seam.bwd"]
         for a, b in zip(fused["outs"], plain["outs"], strict=True):
             assert torch.equal(a, b)  # the same F.linear in the forward
@@ -94,5 +95,15 @@ def test_the_fused_seam_gives_the_unfused_gradients() -> None:
         # autograd's accumulation: fp32 rounding of a sum of three terms, ~1e-7 relative.
         torch.testing.assert_close(fused["x"], plain["x"], rtol=1e-5, atol=1e-6)
         assert fused["x"].abs().max() > 0
-    a, b = run_world(_both, 2)
+    a, b = results
     assert torch.equal(a[0]["x"], b[0]["x"])  # reduced: the same on both ranks
+
+
+def test_under_autocast_the_seam_runs_unfused() -> None:
+    # bf16 products with fp32 weights: the fused backward's fp32 arithmetic does not apply,
+    # so the seam runs the unfused way and gives its numbers exactly.
+    for fused, plain in run_world(_both, 2, True):
+        assert fused["outs"][0].dtype == torch.bfloat16
+        assert torch.equal(fused["x"], plain["x"])
+        for a, b in zip(fused["params"], plain["params"], strict=True):
+            assert torch.equal(a, b)
