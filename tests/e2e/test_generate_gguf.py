@@ -5,9 +5,13 @@ Face directory whose tokenizer adds no BOS."""
 
 from __future__ import annotations
 
+import functools
+import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -45,6 +49,20 @@ def _gguf_template(path: Path) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
+def _one_parse(reader: Callable[..., Any]) -> Callable[..., Any]:
+    """``reader`` that parses each file once: later calls for the same file and mode get the
+    first call's reader (read-only memory maps: nothing that reads through it changes it)."""
+    parsed: dict[tuple[str, str], Any] = {}
+
+    def read(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in parsed:
+            parsed[key] = reader(path, mode)
+        return parsed[key]
+
+    return read
+
+
 def _transformers_ids(
     model: object, tok: object, prompt: str, *, chat: bool, template: str | None = None
 ) -> list[int]:
@@ -77,11 +95,21 @@ def _check(model_arg: str, ref: object, tok: object, prompt: str, *, chat: bool)
 
 
 @pytest.mark.slow
-def test_real_smollm2_gguf_matches_transformers() -> None:
+def test_real_smollm2_gguf_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     # the chat prompt only: plain prompts of GGUF files are covered on the written file
     # below, and the real model is the slowest test of the suite
     chat = True
     path = smollm2_file()
+    import gguf
+
+    # Two costs of transformers' GGUF loader that are the same work done again, cut without
+    # changing what it computes: it parses the file anew for its config, its weights and
+    # its tokenizer, and _gguf_template once more (about 6 s each here: 49152 tokens and
+    # their merges), and it builds gguf's tensor name map of the architecture once per
+    # module of the model (397 times, about 10 s in all). The file does not change and the
+    # map depends on the architecture and the layer count alone: one of each serves all.
+    monkeypatch.setattr(gguf, "GGUFReader", _one_parse(gguf.GGUFReader))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     # transformers dequantizes the Q4_1 file to fp32, as Xronos's reader does.
     ref = tf.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32

@@ -37,6 +37,11 @@ def test_ctrl_c_checkpoints_and_cleans_up(tmp_path: Path) -> None:
         "finetune",
         "--cluster",
         "ci-2dev",
+        # both devices train, so that every worker has to stop at the boundary (the default,
+        # auto, ran `single` here: one worker), and no time goes to auto's measuring of
+        # candidate plans before the first step
+        "--strategy",
+        "tp-even",
         "--steps",
         "400",
         "--train-size",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_bench_smoke import bench_model
 from tests.unit.test_emulation_netns import NO_NETNS
 from xronos.cli import main
 from xronos.emulation.netns import list_namespaces
@@ -26,6 +27,7 @@ def test_bench_with_a_link_runs_in_namespaces_and_tears_them_down(
 ) -> None:
     out = tmp_path / "bench"
     argv = ["bench", "--scenario", "smoke", "--out", str(out), "--strategies", "xronos,single"]
+    argv += bench_model(tmp_path / "model")  # the smoke test's smaller model: the link is the point
     argv += ["--comm-dtype", "fp32"]  # exact payloads: the losses are compared
     argv += ["--steps", "1", "--warmup", "0", "--bandwidth", "200Mbit", "--latency", "1ms"]
     assert main(argv) == 0
