@@ -47,7 +47,7 @@ def test_a_started_all_reduce_travels_while_its_rank_does_other_work() -> None:
         assert torch.equal(a, torch.full((size,), 3.0)) and torch.equal(a, b)
 
 
-def _grads(ctx: WorkerContext, fused: bool) -> dict[str, Any]:
+def _grads(ctx: WorkerContext, fused: bool, input_grad: bool = True) -> dict[str, Any]:
     """One projection block's gradients on this rank: three linears (one with a bias, one
     with no local rows) after the seam, fused or as copy_to_tp then each linear."""
     gen = torch.Generator().manual_seed(5)
@@ -55,7 +55,7 @@ def _grads(ctx: WorkerContext, fused: bool) -> dict[str, Any]:
     rows = (6, 0, 4) if ctx.rank == 0 else (2, 5, 3)
     torch.manual_seed(11 + ctx.rank)
     linears = [nn.Linear(16, r, bias=(k == 0)) for k, r in enumerate(rows)]
-    x.requires_grad_(True)
+    x.requires_grad_(input_grad)
     group = ctx.group
     rec = SpanRecorder(group.rank, enabled=True)
     rec.start_step(0)
@@ -68,7 +68,7 @@ def _grads(ctx: WorkerContext, fused: bool) -> dict[str, Any]:
         loss = sum((o * (k + 1)).square().sum() for k, o in enumerate(outs))
         loss.backward()
     record = rec.end_step()
-    assert record is not None and x.grad is not None
+    assert record is not None and (x.grad is not None) == input_grad
     return {
         "x": x.grad,
         "params": [p.grad for lin in linears for p in lin.parameters()],
@@ -105,5 +105,17 @@ def test_under_autocast_the_seam_runs_unfused() -> None:
     for fused, plain in run_world(_both, 2, True):
         assert fused["outs"][0].dtype == torch.bfloat16
         assert torch.equal(fused["x"], plain["x"])
+        for a, b in zip(fused["params"], plain["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+def _frozen_input(ctx: WorkerContext, _: object) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _grads(ctx, True, input_grad=False), _grads(ctx, False, input_grad=False)
+
+
+def test_an_input_without_gradient_sends_nothing_as_unfused() -> None:
+    # e.g. the first block's input under LoRA: no input gradient, so no all-reduce
+    for fused, plain in run_world(_frozen_input, 2):
+        assert fused["collectives"] == plain["collectives"] == []
         for a, b in zip(fused["params"], plain["params"], strict=True):
             assert torch.equal(a, b)

@@ -60,16 +60,20 @@ class _SeamColumns(torch.autograd.Function):
         x2 = x.reshape(-1, h)
         n = x2.shape[0]  # explicit: a projection may have no local rows
         flat = [dy.reshape(n, w.shape[0]) for dy, w in zip(dys, weights, strict=True)]
-        dx = flat[0] @ weights[0]
-        for dy, w in zip(flat[1:], weights[1:], strict=True):
-            dx = dx + dy @ w
-        pending = start_reduce_activation(dx.view(x.shape), ctx.group, ctx.name + ".bwd", ctx.kind)
+        pending = None
+        if ctx.needs_input_grad[0]:  # else, as unfused, no input gradient and no all-reduce
+            dx = flat[0] @ weights[0]
+            for dy, w in zip(flat[1:], weights[1:], strict=True):
+                dx = dx + dy @ w
+            pending = start_reduce_activation(
+                dx.view(x.shape), ctx.group, ctx.name + ".bwd", ctx.kind
+            )
         grads: list[torch.Tensor | None] = []
         for k, (dy, has_bias) in enumerate(zip(flat, ctx.has_bias, strict=True)):
             needs_w, needs_b = ctx.needs_input_grad[4 + 2 * k], ctx.needs_input_grad[5 + 2 * k]
             grads.append(dy.t() @ x2 if needs_w else None)
             grads.append(dy.sum(0) if has_bias and needs_b else None)
-        return (pending.wait(), None, None, None, *grads)
+        return (pending.wait() if pending is not None else None, None, None, None, *grads)
 
 
 def fusable(linears: Sequence[nn.Module]) -> bool:
