@@ -88,7 +88,7 @@ class Swap:
         tag: int,
         send: Send | None = None,
     ) -> None:
-        self.peer = peer
+        self.peer, self.out = peer, out
         recv = dist.irecv(out, src=peer, group=pg, tag=tag)
         if recv is None:  # torch's answer for a rank outside the group
             raise RuntimeError("exchange: this rank is not a member of the group")
@@ -123,14 +123,7 @@ def _swap(t: torch.Tensor, out: torch.Tensor, peer: int, pg: dist.ProcessGroup, 
 def all_reduce(t: torch.Tensor, pg: dist.ProcessGroup | None, op: Any = dist.ReduceOp.SUM) -> None:
     """In-place all-reduce of ``t`` over ``pg``: one exchange between two ranks (sum or
     max of a contiguous tensor), gloo's collective otherwise."""
-    peer = _peer(pg) if op in _COMBINE and t.is_contiguous() else None
-    if peer is None or pg is None:
-        dist.all_reduce(t, op=op, group=pg)
-        return
-    _check(t, f"all_reduce {op}", peer, pg)
-    other = torch.empty_like(t)
-    _swap(t, other, peer, pg, REDUCE_TAG)
-    _COMBINE[op](t, other)
+    start_all_reduce(t, pg, op).wait()
 
 
 class Reduction:
@@ -141,16 +134,15 @@ class Reduction:
         self,
         t: torch.Tensor,
         op: Any,
-        swap: tuple[Swap, torch.Tensor] | None = None,
+        swap: Swap | None = None,
         work: dist.Work | None = None,
     ) -> None:
         self.t, self._op, self._swap, self._work = t, op, swap, work
 
     def wait(self) -> torch.Tensor:
         if self._swap is not None:
-            swap, other = self._swap
-            swap.wait()
-            _COMBINE[self._op](self.t, other)
+            self._swap.wait()
+            _COMBINE[self._op](self.t, self._swap.out)
         elif self._work is not None:
             self._work.wait()
         self._swap = self._work = None
@@ -172,8 +164,7 @@ def start_all_reduce(
         work = dist.all_reduce(t, op=op, group=pg, async_op=True)
         return Reduction(t, op, work=work)
     _check(t, f"all_reduce {op}", peer, pg)
-    other = torch.empty_like(t)
-    return Reduction(t, op, swap=(Swap(t, other, peer, pg, REDUCE_TAG, send), other))
+    return Reduction(t, op, swap=Swap(t, torch.empty_like(t), peer, pg, REDUCE_TAG, send))
 
 
 def all_gather(out: list[torch.Tensor], t: torch.Tensor, pg: dist.ProcessGroup | None) -> None:

@@ -242,21 +242,21 @@ def start_reduce_activation(
 ) -> PendingActivation:
     """:func:`reduce_activation` that computes on while it travels (see
     :meth:`TPGroup.start_all_reduce`); ``wait()`` gives the sum in ``t``'s dtype."""
+    return PendingActivation(group.start_all_reduce(_payload(t, group), name, kind), t.dtype)
+
+
+def _payload(t: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """A contiguous copy of ``t`` in the dtype it travels in (``group.payload``, else its
+    own)."""
     if group.payload is None or group.payload == t.dtype:
-        y = t.contiguous().clone()
-    else:
-        y = t.to(group.payload).contiguous()
-    return PendingActivation(group.start_all_reduce(y, name, kind), t.dtype)
+        return t.contiguous().clone()
+    return t.to(group.payload).contiguous()
 
 
 def reduce_activation(t: torch.Tensor, group: TPGroup, name: str, kind: str) -> torch.Tensor:
     """All-reduce (sum) of an activation or its gradient ``t`` (N, H) at the seams: in
     ``group.payload`` on the wire when set, the result back in ``t``'s dtype."""
-    if group.payload is None or group.payload == t.dtype:
-        y = t.contiguous().clone()
-        group.all_reduce(y, name, kind=kind)
-        return y
-    y = t.to(group.payload).contiguous()
+    y = _payload(t, group)
     group.all_reduce(y, name, kind=kind)
     return y.to(t.dtype)
 
