@@ -134,6 +134,26 @@ def test_best_time_is_the_minimum_after_warmup(monkeypatch: pytest.MonkeyPatch) 
     assert len(calls) == 4  # the warm-up ran, and was not counted (it took 100)
 
 
+def test_the_whole_step_is_the_median_of_its_timed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The training loop's real step runs; the clock advances by a made-up duration per step.
+    # The warm-up steps (slow: allocator, AdamW's moments) are not counted, and one step
+    # that met a busy moment of the host (9.0) moves neither the median nor the result.
+    clock = FakeClock()
+    monkeypatch.setattr(measure, "time", clock)
+    durations = iter([50.0, 40.0, 2.0, 9.0, 3.0])
+    assert measure.WHOLE_STEP_WARMUP + measure.WHOLE_STEP_REPEATS == 5
+    real_step = measure.Trainer.step
+
+    def step(self: measure.Trainer, *args: object, **kwargs: object) -> object:
+        out = real_step(self, *args, **kwargs)  # type: ignore[arg-type]
+        clock.now += next(durations)
+        return out
+
+    monkeypatch.setattr(measure.Trainer, "step", step)
+    assert measure.time_whole_step(SHAPE) == 3.0
+    assert next(durations, None) is None  # every step ran: 2 warm-up, 3 timed
+
+
 def flops_of(fn: Callable[[], None], repeats: int = 2, warmup: int = 0) -> float:
     """A deterministic stand-in for ``best_time``: the FLOPs of one run of ``fn``."""
     counter = FlopCounterMode(display=False)

@@ -13,6 +13,7 @@ the least disturbed by other processes and by the CPU quota's throttling phase.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,16 +48,21 @@ class Shape:
     lora: LoRAConfig | None = None
 
 
-def best_time(fn: Callable[[], None], repeats: int = 2, warmup: int = 0) -> float:
-    """Minimum wall time of ``fn`` over ``repeats`` runs after ``warmup`` runs."""
+def run_times(fn: Callable[[], None], repeats: int, warmup: int = 0) -> list[float]:
+    """Wall times of ``repeats`` runs of ``fn`` after ``warmup`` untimed runs."""
     for _ in range(warmup):
         fn()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def best_time(fn: Callable[[], None], repeats: int = 2, warmup: int = 0) -> float:
+    """Minimum wall time of ``fn`` over ``repeats`` runs after ``warmup`` runs."""
+    return min(run_times(fn, repeats, warmup), default=float("inf"))
 
 
 def fit_line(points: list[tuple[int, float]]) -> CostCurve:
@@ -307,13 +313,24 @@ measured in the profiler on ``ci-2dev``, steps 1-6 took 0.76, 0.74, 0.61, 0.60, 
 0.67 s on the full-speed device and 2.64, 1.92, 1.34, 1.56, 1.38, 1.38 s on the 0.4 one,
 so timing the second step put every prediction 10-40 % high."""
 
+WHOLE_STEP_REPEATS = 3
+"""Whole steps timed after the warm-up; their median counts, as the benchmark's measured
+step is the median of its counted steps. With one timed step, a step that met a busy
+moment of the host set the scale of every cost of that device: on ``ci-2dev`` the
+prediction of ``single`` ranged 0.67-0.97 s over the five uncached profiles of one sweep
+while the step itself measured 0.73-0.83 s; three profiles in a row predicted the fast
+device alone at 0.59-0.74 s and the slow one at 1.59-2.50 s with one timed step,
+0.70-0.74 s and 1.81-1.97 s with the median of three (two more steps: about 4 s on the
+slow device)."""
 
-def time_whole_step(shape: Shape, repeats: int = 1) -> float:
-    """Seconds of one real training step of the whole model on this device (random weights,
-    LoRA when profiled with it), after :data:`WHOLE_STEP_WARMUP` untimed steps: what the
-    segments' sum stands for, with everything the parts leave out (the model's own Python,
-    the loss, the global gradient norm and clipping, one optimizer over every parameter,
-    caches shared between layers). It is the training loop's own step
+
+def time_whole_step(shape: Shape, repeats: int = WHOLE_STEP_REPEATS) -> float:
+    """Seconds of a real training step of the whole model on this device (random weights,
+    LoRA when profiled with it): the median of ``repeats`` steps after
+    :data:`WHOLE_STEP_WARMUP` untimed ones. It is what the segments' sum stands for, with
+    everything the parts leave out (the model's own Python, the loss, the global gradient
+    norm and clipping, one optimizer over every parameter, caches shared between
+    layers). It is the training loop's own step
     (:class:`~xronos.train.trainer.Trainer`, default optimizer settings): a bare
     forward + backward + AdamW ran 4-5 % faster than it on ``small``."""
     cfg = shape.cfg
@@ -326,7 +343,7 @@ def time_whole_step(shape: Shape, repeats: int = 1) -> float:
     def step() -> None:
         trainer.step([(ids, ids)])
 
-    return best_time(step, repeats=repeats, warmup=WHOLE_STEP_WARMUP)
+    return statistics.median(run_times(step, repeats, warmup=WHOLE_STEP_WARMUP))
 
 
 def unit_bytes(shape: Shape) -> dict[str, int]:
