@@ -51,7 +51,13 @@ def test_the_plan_stays_until_another_program_starts_on_the_slow_device(tmp_path
     back = [r for r in rows if r.get("event") == "io_threads_restored"]
     assert [r["device"] for r in back] == ["slow"] and back[0]["step"] >= DISTURB_AT
     rows = _rows(run)
-    moves = [r for r in rows if r.get("event") == "replan"]
+    replans = [r for r in rows if r.get("event") == "replan"]
+    # The first plan is checked once against its own first steps; where its calibration
+    # missed by enough to pay (a busy moment of the host), that one move comes before the
+    # program starts.
+    balance = [r for r in replans if "out of balance" in r["reason"]]
+    assert len(balance) <= 1 and all(r["step"] < DISTURB_AT for r in balance)
+    moves = [r for r in replans if r not in balance]
     assert moves, "no move after the program started"
     # not while nothing changed (steps 1-36: no chasing noise), then within the window
     # after the program started (the recent median needs half of it), before the end
@@ -61,10 +67,10 @@ def test_the_plan_stays_until_another_program_starts_on_the_slow_device(tmp_path
     # device's compute against the fast one's having changed by x1.33 and x0.76 since the
     # first move, each predicted to save 7 s against a 1.4-1.6 s move). A later move must
     # wait out the cooldown and pay for itself like the first.
-    steps = [m["step"] for m in moves]
+    steps = [m["step"] for m in replans]
     assert all(b - a >= COOLDOWN for a, b in itertools.pairwise(steps)), steps
     # the rebalancer's rule: over the steps left, more than twice what the last move took
-    assert all(b["predicted_gain_s"] > 2 * a["move_s"] for a, b in itertools.pairwise(moves))
+    assert all(b["predicted_gain_s"] > 2 * a["move_s"] for a, b in itertools.pairwise(replans))
     move = moves[0]
     assert move["before"] != move["after"] and move["move_s"] > 0
     assert move["predicted_gain_s"] > 0  # the new plan is predicted faster over the steps left

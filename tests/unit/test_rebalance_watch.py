@@ -1,10 +1,15 @@
-"""When live re-balancing sees a persistent change in a device's speed, and only then."""
+"""When live re-balancing sees a persistent change in a device's speed, and only then; and
+the one balance check of the first plan against its own steps."""
 
 from __future__ import annotations
 
+from tests.unit.test_calibrate import _profile as speed_profile
 from xronos.config import ModelConfig
-from xronos.planner.plan import Plan
-from xronos.run.rebalance import COOLDOWN, WARMUP, WINDOW, SpeedWatch
+from xronos.planner import plan_tp
+from xronos.planner.calibrate import fit
+from xronos.planner.plan import SEGMENTS, Plan
+from xronos.planner.solve import DEFAULT_REPLICATED_SHARE, predict
+from xronos.run.rebalance import BALANCE_GAIN, COOLDOWN, WARMUP, WINDOW, SpeedWatch, propose
 
 CFG = ModelConfig(
     vocab_size=96,
@@ -65,3 +70,87 @@ def test_nothing_moves_before_the_cooldown_and_a_new_plan_starts_a_new_baseline(
     watch.restart()
     after = _feed(watch, [(1.0, 2.0)] * (COOLDOWN + 4))  # the new speeds are the baseline
     assert all(s is None for s in after)
+
+
+# -- the balance check of the first plan --------------------------------------------------
+# fine enough that a few per cent moves a unit: 16 heads, 64 MLP and 128 vocabulary units
+FINE = ModelConfig(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=512,
+    num_layers=2,
+    num_heads=16,
+    num_kv_heads=16,
+)
+CHUNKS = (8, 8)
+
+
+PROFILES = [speed_profile("fast", 1.0), speed_profile("slow", 0.4)]
+
+
+def _measured(plan: Plan, slow_factor: float) -> list[dict[str, float]]:
+    """A step as the devices measure it when the slow one is ``slow_factor`` × its profile
+    (the fast one exactly its profile)."""
+    out = []
+    for i, (p, k) in enumerate(zip(PROFILES, (1.0, slow_factor), strict=True)):
+        seg = {
+            s: k
+            * (p.replicated_before(s, DEFAULT_REPLICATED_SHARE) + p.segments[s](plan.split(s)[i]))
+            for s in SEGMENTS
+        }
+        out.append({**seg, "other": 0.004})
+    return out
+
+
+def _watched(plan: Plan, slow_factor: float, steps: int) -> SpeedWatch:
+    watch = SpeedWatch()
+    for _ in range(steps):
+        watch.observe(plan, _measured(plan, slow_factor))
+    return watch
+
+
+def test_the_balance_is_checked_once_when_the_first_baseline_is_in() -> None:
+    watch = _watched(PLAN, 1.0, WARMUP + WINDOW - 1)
+    assert watch.balance_check() is None  # no baseline yet
+    watch.observe(PLAN, _measured(PLAN, 1.0))
+    first = watch.balance_check()
+    assert first is not None and max(first) == 1.0
+    assert watch.balance_check() is None  # once
+    watch.restart()  # a plan made from real steps is not checked again
+    for _ in range(WARMUP + WINDOW):
+        watch.observe(PLAN, _measured(PLAN, 1.0))
+    assert watch.balance_check() is None
+
+
+def test_a_first_plan_out_of_balance_moves_and_one_in_balance_stays() -> None:
+    plan = plan_tp(FINE, PROFILES, mlp_chunk=CHUNKS[0], vocab_chunk=CHUNKS[1])
+    # The slow device is 40 % slower in real steps than its calibration said, from the
+    # start (no change for the change detector to see): the plan moves units to the fast one.
+    watch = _watched(plan, 1.4, WARMUP + WINDOW)
+    assert watch.changed() is None
+    moved = propose(watch, PROFILES, plan, FINE, CHUNKS, steps_left=1000, move_s=1.0)
+    assert moved is not None and moved.why == "balance"
+    assert moved.then_s < (1 - BALANCE_GAIN) * moved.now_s
+    assert moved.relative[1] == 1.0 and moved.relative[0] < 1.0  # the slow one is the busiest
+    assert sum(moved.plan.split(s)[1] for s in SEGMENTS) < sum(plan.split(s)[1] for s in SEGMENTS)
+    # checked once: the same steps again propose nothing
+    assert propose(watch, PROFILES, plan, FINE, CHUNKS, steps_left=1000, move_s=1.0) is None
+    # as calibrated: nothing to gain
+    calm = _watched(plan, 1.0, WARMUP + WINDOW)
+    assert propose(calm, PROFILES, plan, FINE, CHUNKS, steps_left=1000, move_s=1.0) is None
+
+
+def test_the_balance_move_must_gain_enough_and_pay_for_itself() -> None:
+    plan = plan_tp(FINE, PROFILES, mlp_chunk=CHUNKS[0], vocab_chunk=CHUNKS[1])
+    # 10 % off: the refitted plan differs and would pay over many steps, but it saves less
+    # than BALANCE_GAIN, within what the calibration itself varies by.
+    watch = _watched(plan, 1.1, WARMUP + WINDOW)
+    fitted = fit(PROFILES, list(watch.rounds))
+    other = plan_tp(FINE, fitted, mlp_chunk=CHUNKS[0], vocab_chunk=CHUNKS[1])
+    assert any(other.split(s) != plan.split(s) for s in SEGMENTS)
+    now, then = predict(plan, fitted)["step_time_s"], predict(other, fitted)["step_time_s"]
+    assert 0 < now - then < BALANCE_GAIN * now
+    assert propose(watch, PROFILES, plan, FINE, CHUNKS, steps_left=100_000, move_s=1.0) is None
+    # 40 % off gains enough, but not over 2 steps left
+    watch = _watched(plan, 1.4, WARMUP + WINDOW)
+    assert propose(watch, PROFILES, plan, FINE, CHUNKS, steps_left=2, move_s=1.0) is None

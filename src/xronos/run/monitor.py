@@ -183,13 +183,22 @@ class RunMonitor:
             )
 
     def _rebalanced(self, ev: dict[str, Any]) -> None:
+        before = Plan.from_dict(ev["before"])
         self.plan = Plan.from_dict(ev["plan"])
-        pairs = zip(self.plan.devices, ev["relative"], strict=True)
+        pairs = zip(before.devices, ev["relative"], strict=True)
         speeds = ", ".join(f"{d} ×{r:.2f}" for d, r in pairs)
+        if ev.get("why") == "balance":
+            reason = f"the first steps were out of balance: compute against the busiest {speeds}"
+            headline = (
+                f"the first steps were out of balance (compute against the busiest: {speeds})"
+            )
+        else:
+            reason = f"compute relative to the other devices changed: {speeds}"
+            headline = f"device speeds changed (compute relative to the others: {speeds})"
         self.event(
             "replan",
             ev["step"],
-            reason=f"compute relative to the other devices changed: {speeds}",
+            reason=reason,
             relative=ev["relative"],
             before=ev["before"],
             after=ev["plan"],
@@ -197,9 +206,8 @@ class RunMonitor:
             move_s=ev["seconds"],
         )
         self.say(
-            f"step {ev['step']}: device speeds changed (compute relative to the others: "
-            f"{speeds}); moved to a new plan in {ev['seconds']:.1f} s, predicted "
-            f"{ev['now_s']:.3f} → {ev['then_s']:.3f} s/step:\n{self.plan.table()}"
+            f"step {ev['step']}: {headline}; moved to a new plan in {ev['seconds']:.1f} s, "
+            f"predicted {ev['now_s']:.3f} → {ev['then_s']:.3f} s/step:\n{self.plan.table()}"
         )
         atomic_write_text(self.run_dir / "plan.json", self.plan.to_json())
 

@@ -14,6 +14,12 @@ slows every device alike leaves the best split as it is — and only by more tha
 :data:`THRESHOLD`. After a move the baseline starts again, and the next move waits at
 least :data:`COOLDOWN` steps.
 
+**A plan that starts out of balance.** The first plan comes from a few calibration passes
+on a host whose speed strays; once its baseline is in, it is checked once against those
+steps (the same refit and planner): a plan predicted to be at least :data:`BALANCE_GAIN`
+faster moves the run too, if it pays for itself. A plan made from real steps (after a
+move) is not checked again.
+
 **Pays for itself.** The profiles are refitted to the recent steps with calibration's own
 fit (:func:`xronos.planner.calibrate.fit`), the exact planner plans again, and the move
 goes ahead only when the predicted saving per step, over the steps left, exceeds twice what
@@ -58,6 +64,11 @@ COOLDOWN = 3 * WINDOW
 """Fewest steps between two moves."""
 CHECK_EVERY = 4
 """Steps between two agreements on whether to move (one small collective)."""
+BALANCE_GAIN = 0.05
+"""Least predicted saving, as a fraction of the step, for which the balance check moves a
+plan whose devices' speeds did not change: the first plan's own calibration varies by a
+few per cent from run to run (one unit more or less on the slow device), and chasing that
+would cost more than it saves."""
 FIRST_MOVE_STEPS = 5.0
 """A move's cost in step times, before one has been measured (``small`` on ``ci-2dev``:
 2.2 s at 0.5 s a step, about 4)."""
@@ -75,6 +86,8 @@ class SpeedWatch:
     baseline: list[float] | None = None
     recent: deque[list[float]] = field(default_factory=deque)
     rounds: deque[Round] = field(default_factory=deque)
+    balance_due: bool = True
+    """The first plan's balance is still to be checked against its baseline."""
 
     def observe(self, plan: Plan, times: list[dict[str, float]]) -> None:
         """One step: every device's compute seconds per segment (rank order)."""
@@ -102,9 +115,18 @@ class SpeedWatch:
         ]
         return relative if max(abs(r - 1.0) for r in relative) > self.threshold else None
 
+    def balance_check(self) -> list[float] | None:
+        """Once, when the first plan's baseline is in: each device's compute over the
+        busiest device's (the balance to check); else None."""
+        if not self.balance_due or self.baseline is None:
+            return None
+        self.balance_due = False
+        top = max(self.baseline)
+        return [b / top if top > 0 else 1.0 for b in self.baseline]
+
     def restart(self) -> None:
-        """A new plan: a new baseline."""
-        self.steps, self.baseline = 0, None
+        """A new plan (made from real steps): a new baseline, and no balance check."""
+        self.steps, self.baseline, self.balance_due = 0, None, False
         self.recent.clear()
         self.rounds.clear()
 
@@ -123,6 +145,10 @@ class Proposal:
     """Predicted step time of the current plan at the devices' current speeds."""
     then_s: float
     """Predicted step time of the new plan."""
+    why: str = "change"
+    """``change``: a device's speed changed against the others' (``relative``: its factor
+    against theirs); ``balance``: the first plan was out of balance from its start
+    (``relative``: each device's compute over the busiest's)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -130,11 +156,18 @@ class Proposal:
             "relative": self.relative,
             "now_s": self.now_s,
             "then_s": self.then_s,
+            "why": self.why,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Proposal:
-        return cls(Plan.from_dict(d["plan"]), list(d["relative"]), d["now_s"], d["then_s"])
+        return cls(
+            Plan.from_dict(d["plan"]),
+            list(d["relative"]),
+            d["now_s"],
+            d["then_s"],
+            d.get("why", "change"),
+        )
 
 
 def propose(
@@ -146,8 +179,11 @@ def propose(
     steps_left: int,
     move_s: float,
 ) -> Proposal | None:
-    """The plan to move to, if a device's speed changed for good and moving pays."""
-    relative = watch.changed()
+    """The plan to move to, if a device's speed changed for good (or the first plan was
+    out of balance by at least :data:`BALANCE_GAIN`) and moving pays."""
+    why, relative = "change", watch.changed()
+    if relative is None:
+        why, relative = "balance", watch.balance_check()
     if relative is None:
         return None
     fitted = fit(profiles, list(watch.rounds))
@@ -158,7 +194,9 @@ def propose(
     then_s = predict(new, fitted)["step_time_s"]
     if (now_s - then_s) * steps_left <= 2.0 * move_s:
         return None
-    return Proposal(new, relative, now_s, then_s)
+    if why == "balance" and now_s - then_s < BALANCE_GAIN * now_s:
+        return None
+    return Proposal(new, relative, now_s, then_s, why)
 
 
 def step_times(records: list[StepRecord]) -> list[dict[str, float]]:
