@@ -9,11 +9,12 @@ import torch
 
 from xronos.comm.mappings import TPGroup
 from xronos.config import small
+from xronos.errors import UserError
 from xronos.metrics.recorder import SpanRecorder, use_recorder
 from xronos.metrics.records import COLLECTIVE, Span, StepRecord
 from xronos.parallel.shard import build_model
 from xronos.planner import plan_tp
-from xronos.planner.calibrate import Round, fit, segment_times, settled
+from xronos.planner.calibrate import Round, fit, probe_plan, segment_times, settled
 from xronos.planner.plan import SEGMENTS, Plan, parse_segment_kind, segment_kind
 from xronos.planner.profile import CostCurve, DeviceProfile
 from xronos.planner.solve import DEFAULT_REPLICATED_SHARE
@@ -148,3 +149,33 @@ def test_settled_allows_one_unit_of_wobble() -> None:
     moved = Plan.from_dict({**d, "attn": [d["attn"][0] + 1, d["attn"][1] - 1]})
     jumped = Plan.from_dict({**d, "mlp": [d["mlp"][0] + 4, d["mlp"][1] - 4]})
     assert settled(plan, moved) and not settled(plan, jumped)
+
+
+def test_a_device_the_profile_leaves_out_of_a_segment_is_probed_with_a_unit() -> None:
+    # The slow device's attention intercept, as a disturbed profile can give it: so large
+    # that the planner gives it no head, and calibration would never measure its attention.
+    slow = _profile("slow", 0.4)
+    skewed = dataclasses.replace(
+        slow, segments={**slow.segments, "attn": CostCurve(5.0, slow.segments["attn"].b)}
+    )
+    profiles = [_profile("fast", 1.0), skewed]
+
+    def plan_with(least: dict[str, int]) -> Plan:
+        return plan_tp(CFG, profiles, min_units=least)
+
+    first = plan_with({})
+    assert first.split("attn")[1] == 0 and min(first.split("mlp")) > 0
+    probe = probe_plan(first, plan_with)
+    assert probe is not None
+    assert probe.split("attn")[1] >= 1  # the left-out segment: at least one unit each
+    assert sum(probe.split("attn")) == sum(first.split("attn"))
+    # every device already holds units of every segment: no probe
+    even = [_profile("fast", 1.0), slow]
+    assert probe_plan(plan_tp(CFG, even), lambda least: plan_tp(CFG, even, min_units=least)) is None
+
+    # no plan can give the device a unit (here: the planner refuses): no probe
+    def refuse(least: dict[str, int]) -> Plan:
+        raise UserError("no room")
+
+    assert probe_plan(first, refuse) is None
+    assert probe_plan(Plan.single(CFG), plan_with) is None  # one device: nothing to probe

@@ -20,6 +20,15 @@ layer does the same work, so one span stretched by a CFS throttle or a hiccup of
 does not move the estimate. ``vocab`` is the sum of its spans; ``other`` is the rest
 (gradient norm, the step's tail), which no split can balance.
 
+**Every segment measured on every device.** A device that the profile gives no units of a
+segment would never run it in a calibration pass, and its curve for that segment would
+keep the profile's shape, however wrong: two timings a quarter apart put the slow device's
+attention intercept anywhere from 20 to 70 ms in four profiles on one host, and a large
+one leaves it no head. So where the first plan leaves a device out of a segment, the first
+round runs a probe plan instead (:func:`probe_plan`: the same planner, every device at
+least one unit of those segments), and every later round plans freely from what it
+measured.
+
 **Pooled over rounds.** Device ``i``'s factor for segment ``s`` is what it measured,
 summed over every round so far, over what its *profiled* curve (plus its replicated work
 before that barrier) predicted for the units it held in each round — later rounds, run
@@ -33,9 +42,10 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from xronos.errors import UserError
 from xronos.metrics.records import StepRecord
 from xronos.planner.plan import SEGMENTS, Plan, parse_segment_kind
 from xronos.planner.profile import CostCurve, DeviceProfile
@@ -115,3 +125,20 @@ def settled(a: Plan, b: Plan) -> bool:
         if any(abs(x - y) > tol for x, y in zip(a.split(s), b.split(s), strict=True)):
             return False
     return True
+
+
+def probe_plan(plan: Plan, plan_with: Callable[[dict[str, int]], Plan]) -> Plan | None:
+    """The plan a first calibration round runs instead of ``plan`` when ``plan`` leaves a
+    device without units of some segment: ``plan_with`` (the planner, given the fewest
+    units every device must hold per segment) with one unit of each such segment; None
+    when every device holds units of every segment, or when no plan can give them one
+    (memory)."""
+    if plan.world_size < 2:
+        return None
+    empty = {s: 1 for s in SEGMENTS if min(plan.split(s)) == 0}
+    if not empty:
+        return None
+    try:
+        return plan_with(empty)
+    except UserError:
+        return None

@@ -17,7 +17,7 @@ from xronos.comm.mappings import TPGroup
 from xronos.metrics.recorder import SpanRecorder, use_recorder
 from xronos.model.llama import LlamaForCausalLM
 from xronos.model.lora import LoRALinear
-from xronos.planner.calibrate import Round, fit, segment_times, settled
+from xronos.planner.calibrate import Round, fit, probe_plan, segment_times, settled
 from xronos.planner.plan import SEGMENTS, Plan
 from xronos.planner.profile import DeviceProfile
 
@@ -51,19 +51,23 @@ def measure_plan(
 
 def plan_with_calibration(
     build: Callable[[Plan], LlamaForCausalLM],
-    plan_of: Callable[[list[DeviceProfile]], Plan],
+    plan_of: Callable[[list[DeviceProfile], dict[str, int]], Plan],
     profiles: list[DeviceProfile],
     group: TPGroup,
     micro: list[Batch],
     *,
     rounds: int = 5,
 ) -> tuple[Plan, list[DeviceProfile], LlamaForCausalLM]:
-    """Plan from ``profiles`` with ``plan_of``, then up to ``rounds`` times: build the
-    plan's shard with ``build``, measure it for real, fit the profiles to every round so far
-    and plan again — until the plan has settled (moved by at most a unit) twice in a row.
+    """Plan from ``profiles`` with ``plan_of`` (profiles, the fewest units per device and
+    segment), then up to ``rounds`` times: build the plan's shard with ``build``, measure
+    it for real, fit the profiles to every round so far and plan again — until the plan has
+    settled (moved by at most a unit) twice in a row. Where the first plan leaves a device
+    without units of a segment, the first round measures :func:`probe_plan`'s instead.
     Returns the plan, the calibrated profiles and the model built for the plan. Every rank
     gets the same result: measurements are shared."""
-    plan = plan_of(profiles)
+    plan = plan_of(profiles, {})
+    if group.size > 1 and rounds > 0:
+        plan = probe_plan(plan, lambda least: plan_of(profiles, least)) or plan
     model = build(plan)
     history: list[Round] = []
     fitted, calm = profiles, 0
@@ -72,7 +76,7 @@ def plan_with_calibration(
             mine = measure_plan(model, group, micro, passes=2 if r == 0 else 1, warmup=int(r == 0))
         history.append(Round(plan, group.gather_object(mine), weight=float(r + 1)))
         fitted = fit(profiles, history)
-        new = plan_of(fitted)
+        new = plan_of(fitted, {})
         calm = calm + 1 if settled(new, plan) else 0
         if any(new.split(s) != plan.split(s) for s in SEGMENTS):
             model = build(new)

@@ -92,8 +92,10 @@ def calibrated_tp(
     """Heterogeneous TP over ``group``: plan from the members' ``profiles``, calibrate."""
     cfg, shape = spec.source.cfg, spec.shape
 
-    def plan_of(ps: list[DeviceProfile]) -> Plan:
-        return plan_tp(cfg, ps, mlp_chunk=shape.mlp_chunk, vocab_chunk=shape.vocab_chunk)
+    def plan_of(ps: list[DeviceProfile], least: dict[str, int]) -> Plan:
+        return plan_tp(
+            cfg, ps, mlp_chunk=shape.mlp_chunk, vocab_chunk=shape.vocab_chunk, min_units=least
+        )
 
     plan, calibrated, model = plan_with_calibration(
         lambda p: spec.source.build(p, group), plan_of, profiles, group, first[:1]
