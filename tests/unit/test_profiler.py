@@ -134,6 +134,25 @@ def test_best_time_is_the_minimum_after_warmup(monkeypatch: pytest.MonkeyPatch) 
     assert len(calls) == 4  # the warm-up ran, and was not counted (it took 100)
 
 
+def test_the_points_of_a_line_are_timed_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two points, three rounds; the host is slow in the first round (both points alike).
+    # Timed in turn, each point's minimum comes from the same calm rounds.
+    clock = FakeClock()
+    monkeypatch.setattr(measure, "time", clock)
+    order: list[str] = []
+    durations = {"a": iter([9.0, 1.0, 1.5]), "b": iter([18.0, 2.5, 2.0])}
+
+    def run(name: str) -> Callable[[], None]:
+        def fn() -> None:
+            order.append(name)
+            clock.now += next(durations[name])
+
+        return fn
+
+    assert measure.best_times([run("a"), run("b")], repeats=3) == [1.0, 2.0]
+    assert order == ["a", "b"] * 3  # interleaved, not a's repeats then b's
+
+
 def test_the_whole_step_is_the_median_of_its_timed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     # The training loop's real step runs; the clock advances by a made-up duration per step.
     # The warm-up steps (slow: allocator, AdamW's moments) are not counted, and one step

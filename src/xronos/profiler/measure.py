@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -147,17 +147,38 @@ def _segment_module(seg: str, units: int, shape: Shape) -> nn.Module:
     return module
 
 
-def time_layer_segment(seg: str, units: int, shape: Shape, repeats: int, passes: int = 1) -> float:
-    """Forward+backward+update seconds of one layer's ``seg`` shard with ``units`` units
-    (the batch cut into ``passes`` micro-batches)."""
+def _layer_step(seg: str, units: int, shape: Shape, passes: int = 1) -> Callable[[], None]:
+    """One training step (forward+backward+update) of one layer's ``seg`` shard with
+    ``units`` units (the batch cut into ``passes`` micro-batches)."""
     h = shape.cfg.hidden_size
     module = _segment_module(seg, units, shape)
     gen = torch.Generator().manual_seed(0)
     x0 = torch.randn(shape.batch_size, shape.seq_len, h, generator=gen)
-    return best_time(
-        _train_step_fn(module, lambda: x0.clone().requires_grad_(True), lambda y: y.sum(), passes),
-        repeats=repeats,
+    return _train_step_fn(
+        module, lambda: x0.clone().requires_grad_(True), lambda y: y.sum(), passes
     )
+
+
+def time_layer_segment(seg: str, units: int, shape: Shape, repeats: int, passes: int = 1) -> float:
+    """Forward+backward+update seconds of one layer's ``seg`` shard with ``units`` units
+    (the batch cut into ``passes`` micro-batches)."""
+    return best_time(_layer_step(seg, units, shape, passes), repeats=repeats)
+
+
+def best_times(fns: Sequence[Callable[[], None]], repeats: int) -> list[float]:
+    """Each of ``fns``' minimum wall time over ``repeats`` rounds that run them in turn.
+
+    The points of one line are timed interleaved, not one point's repeats back to back:
+    a host that drifts over a second or two then moves every point alike instead of
+    tilting the line. Timed back to back, three profiles of one host gave the full-speed
+    device's attention line an intercept of 11-48 ms (four layers), where the work has
+    next to none, and the slow device's MLP line 0-28 ms; interleaved, three more gave
+    0-3 ms and 0-11 ms."""
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], best_time(fn, repeats=1))
+    return best
 
 
 def time_vocab(units: int, shape: Shape, repeats: int, passes: int = 1) -> float:
@@ -284,7 +305,8 @@ def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
     for seg in ("attn", "mlp"):
         step = shape.cfg.q_per_kv if seg == "attn" else 1
         units = unit_points(totals[seg], step)
-        pts = [(u, time_layer_segment(seg, u, shape, repeats)) for u in units]
+        timed = best_times([_layer_step(seg, u, shape) for u in units], repeats)
+        pts = list(zip(units, timed, strict=True))
         one = fit_line(pts)
         curves[seg] = CostCurve(one.a * layers, one.b * layers)
         u, whole = pts[-1]

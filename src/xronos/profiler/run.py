@@ -63,6 +63,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
                 "pair exchange",  # two ranks' all-reduce: one exchange, not gloo's ring
                 "whole step: the trainer's, after 2 warm-up steps",
                 "whole step: the median of 3",
+                "layer segments: unit points timed interleaved",
             ],
             "optimizer": "adamw fused",  # the step's optimizer, as the update is timed
         },
