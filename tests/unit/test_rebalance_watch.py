@@ -4,11 +4,12 @@ the one balance check of the first plan against its own steps."""
 from __future__ import annotations
 
 from tests.unit.test_calibrate import _profile as speed_profile
+from tests.unit.test_calibrate import _true_times as true_times
 from xronos.config import ModelConfig
 from xronos.planner import plan_tp
 from xronos.planner.calibrate import fit
 from xronos.planner.plan import SEGMENTS, Plan
-from xronos.planner.solve import DEFAULT_REPLICATED_SHARE, predict
+from xronos.planner.solve import predict
 from xronos.run.rebalance import BALANCE_GAIN, COOLDOWN, WARMUP, WINDOW, SpeedWatch, propose
 
 CFG = ModelConfig(
@@ -83,23 +84,15 @@ FINE = ModelConfig(
     num_kv_heads=16,
 )
 CHUNKS = (8, 8)
-
-
 PROFILES = [speed_profile("fast", 1.0), speed_profile("slow", 0.4)]
 
 
 def _measured(plan: Plan, slow_factor: float) -> list[dict[str, float]]:
     """A step as the devices measure it when the slow one is ``slow_factor`` × its profile
     (the fast one exactly its profile)."""
-    out = []
-    for i, (p, k) in enumerate(zip(PROFILES, (1.0, slow_factor), strict=True)):
-        seg = {
-            s: k
-            * (p.replicated_before(s, DEFAULT_REPLICATED_SHARE) + p.segments[s](plan.split(s)[i]))
-            for s in SEGMENTS
-        }
-        out.append({**seg, "other": 0.004})
-    return out
+    factors = (dict.fromkeys(SEGMENTS, 1.0), dict.fromkeys(SEGMENTS, slow_factor))
+    pairs = enumerate(zip(PROFILES, factors, strict=True))
+    return [true_times(p, k, plan, i) for i, (p, k) in pairs]
 
 
 def _watched(plan: Plan, slow_factor: float, steps: int) -> SpeedWatch:

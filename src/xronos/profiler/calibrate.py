@@ -66,7 +66,7 @@ def plan_with_calibration(
     Returns the plan, the calibrated profiles and the model built for the plan. Every rank
     gets the same result: measurements are shared."""
     plan = plan_of(profiles, {})
-    if group.size > 1 and rounds > 0:
+    if rounds > 0:  # (one device: no probe, and no rounds)
         plan = probe_plan(plan, lambda least: plan_of(profiles, least)) or plan
     model = build(plan)
     history: list[Round] = []

@@ -183,9 +183,8 @@ class RunMonitor:
             )
 
     def _rebalanced(self, ev: dict[str, Any]) -> None:
-        before = Plan.from_dict(ev["before"])
         self.plan = Plan.from_dict(ev["plan"])
-        pairs = zip(before.devices, ev["relative"], strict=True)
+        pairs = zip(self.plan.devices, ev["relative"], strict=True)
         speeds = ", ".join(f"{d} ×{r:.2f}" for d, r in pairs)
         if ev.get("why") == "balance":
             reason = f"the first steps were out of balance: compute against the busiest {speeds}"
