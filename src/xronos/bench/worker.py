@@ -244,10 +244,15 @@ def predictions(
     """Each strategy's predicted step from the profiles (communication included): the
     planner's own candidates for single, tp-even and the pipelines; for xronos the plan it
     ran (after calibration), predicted from the measured profiles like every other (the
-    calibrated ones are fitted to that plan's own passes, not to whole steps); what ran for
-    auto."""
+    calibrated ones are fitted to that plan's own passes, not to whole steps); for auto
+    what ran — where that was heterogeneous TP, the plan after calibration, as for xronos
+    (the candidate's own plan is not the one that ran)."""
     if choice is None:
         return {}
+    by_name = {p.name: p for p in on_the_wire(profiles, wire_bytes(job.spec.comm_dtype))}
+
+    def tp(plan: Plan) -> float:
+        return float(predict(plan, [by_name[d] for d in plan.devices])["step_time_s"])
 
     def candidate(name: str, devices: tuple[int, ...] | None = None) -> float | None:
         """The best feasible prediction of that kind (the one its session runs)."""
@@ -269,10 +274,11 @@ def predictions(
         elif s.is_pipeline:
             out[s] = candidate("pp-1f1b")
         elif s is Strategy.XRONOS and s in logs:
-            plan = Plan.from_dict(dict(logs[s].plan))
-            wire = on_the_wire(profiles, wire_bytes(job.spec.comm_dtype))
-            out[s] = float(predict(plan, wire)["step_time_s"])
+            out[s] = tp(Plan.from_dict(dict(logs[s].plan)))
         elif s is Strategy.AUTO and auto is not None:
             ran = auto["ran"]
-            out[s] = ran.get("predicted_step_s") if isinstance(ran, dict) else None
+            if s in logs and logs[s].plan.get("strategy") == Strategy.XRONOS.value:
+                out[s] = tp(Plan.from_dict(dict(logs[s].plan)))
+            else:
+                out[s] = ran.get("predicted_step_s") if isinstance(ran, dict) else None
     return out
