@@ -17,9 +17,9 @@ class Scenario:
     batch_size: int
     seq_len: int
     steps: int
-    """Counted steps per strategy. The 2- and 3-device scenarios count 16: this host's speed
-    moves by a fifth within seconds, and over 8 steps two such moments could move one
-    strategy's median against another's by 7 % with the same plan."""
+    """Counted steps per strategy. The 2- and 3-device scenarios count 16: a shared host's
+    speed can move by a fifth within seconds, and over 8 steps two such moments moved one
+    strategy's median against another's by 7 % with the same plan (docs/benchmarks.md)."""
     warmup: int
     """Uncounted steps per strategy before them."""
     lora_rank: int = 0
