@@ -38,12 +38,12 @@ def test_one_rank_measures_no_link() -> None:
     assert run_world(_alone, 1) == [(None, None)]
 
 
-def _sync(ctx: WorkerContext, late_s: float) -> float:
+def _sync(ctx: WorkerContext, late_s: float, latency_s: float = 0.0) -> float:
     import time
-
-    import torch.distributed as dist
+    from dataclasses import replace
 
     import xronos.profiler.run as run
+    from xronos.comm.links import LinkDelays
 
     real = run.exchange.all_reduce
     calls = [0]
@@ -55,8 +55,9 @@ def _sync(ctx: WorkerContext, late_s: float) -> float:
         return real(*args, **kwargs)
 
     run.exchange.all_reduce = late  # type: ignore[attr-defined]
+    group = replace(ctx.group, links=LinkDelays((latency_s,) * ctx.world_size))
     try:
-        return run.measure_sync(ctx.group, round_s=0.005)
+        return run.measure_sync(group, round_s=0.005)
     finally:
         run.exchange.all_reduce = real  # type: ignore[attr-defined]
 
@@ -69,3 +70,16 @@ def test_the_barrier_cost_is_the_mean_wait_for_a_late_device() -> None:
     assert all(s >= 0.005 for s in run_world(_sync, 2, 0.02))
     # the same measurement with nobody late sees no such wait
     assert all(s < 0.005 for s in run_world(_sync, 2, 0.0))
+
+
+def _sync_over_latency(ctx: WorkerContext, late_s: float) -> float:
+    return _sync(ctx, late_s, latency_s=0.005)
+
+
+def test_the_barrier_cost_is_measured_over_links_with_emulated_latency() -> None:
+    # Links of 5 ms emulated in the communication layer (10 ms an all-reduce between two
+    # ranks): the latency probe and the synced rounds both pay it, so the late rank's
+    # 10 ms a round still shows (it did not when only the probe paid it: the measure came
+    # out at 0), and nobody late still shows none. Floors as above.
+    assert all(s >= 0.005 for s in run_world(_sync_over_latency, 2, 0.02))
+    assert all(s < 0.005 for s in run_world(_sync_over_latency, 2, 0.0))

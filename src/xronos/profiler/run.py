@@ -64,6 +64,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
                 "whole step: the trainer's, after 2 warm-up steps",
                 "whole step: the median of 3",
                 "layer segments: unit points timed interleaved",
+                "sync: its rounds pay the emulated link latency",
             ],
             "optimizer": "adamw fused",  # the step's optimizer, as the update is timed
         },
@@ -233,8 +234,9 @@ def measure_sync(group: TPGroup, round_s: float = SYNC_ROUND_S) -> float:
         for f in SYNC_SPREAD:
             for _ in range(max(1, round(work * f))):
                 torch.mm(a, a, out=out)
-            if sync:
+            if sync:  # the step's collective, emulated link latency included, as in latency
                 exchange.all_reduce(flag, group.pg)
+                group.link_wait(flag, "all_reduce")
         return (time.perf_counter() - start) / len(SYNC_SPREAD)
 
     alone, synced = rounds_of(False), rounds_of(True)
