@@ -9,27 +9,17 @@ from typing import Any
 
 import pytest
 
+from tests.unit.test_calibrate import _profile
 from xronos.bench.steps import StrategyLog
 from xronos.bench.worker import predictions
 from xronos.config import small
 from xronos.planner import plan_tp
 from xronos.planner.auto import AutoChoice, Candidate
 from xronos.planner.plan import Plan
-from xronos.planner.profile import CostCurve, DeviceProfile
 from xronos.planner.solve import predict
 from xronos.train.session import Strategy
 
 CFG = small()
-
-
-def _profile(name: str, speed: float) -> DeviceProfile:
-    per_unit = {"attn": 0.02, "mlp": 0.004, "vocab": 0.001}
-    return DeviceProfile(
-        name=name,
-        segments={s: CostCurve(0.002 / speed, b / speed) for s, b in per_unit.items()},
-        replicated_s=0.03 / speed,
-        allreduce_s=0.001,
-    )
 
 
 PROFILES = [_profile("fast", 1.0), _profile("slow", 0.4), _profile("third", 0.2)]

@@ -251,8 +251,9 @@ def predictions(
         return {}
     by_name = {p.name: p for p in on_the_wire(profiles, wire_bytes(job.spec.comm_dtype))}
 
-    def tp(plan: Plan) -> float:
-        return float(predict(plan, [by_name[d] for d in plan.devices])["step_time_s"])
+    def ran_tp(s: Strategy) -> bool:
+        """Whether ``s`` ran heterogeneous TP (xronos, or auto's pick of it)."""
+        return s in logs and logs[s].plan.get("strategy") == Strategy.XRONOS.value
 
     def candidate(name: str, devices: tuple[int, ...] | None = None) -> float | None:
         """The best feasible prediction of that kind (the one its session runs)."""
@@ -273,12 +274,10 @@ def predictions(
             out[s] = candidate("hybrid")
         elif s.is_pipeline:
             out[s] = candidate("pp-1f1b")
-        elif s is Strategy.XRONOS and s in logs:
-            out[s] = tp(Plan.from_dict(dict(logs[s].plan)))
+        elif ran_tp(s):  # the plan after calibration, over the devices that ran it
+            plan = Plan.from_dict(dict(logs[s].plan))
+            out[s] = float(predict(plan, [by_name[d] for d in plan.devices])["step_time_s"])
         elif s is Strategy.AUTO and auto is not None:
             ran = auto["ran"]
-            if s in logs and logs[s].plan.get("strategy") == Strategy.XRONOS.value:
-                out[s] = tp(Plan.from_dict(dict(logs[s].plan)))
-            else:
-                out[s] = ran.get("predicted_step_s") if isinstance(ran, dict) else None
+            out[s] = ran.get("predicted_step_s") if isinstance(ran, dict) else None
     return out
