@@ -181,8 +181,9 @@ def best_times(fns: Sequence[Callable[[], None]], repeats: int) -> list[float]:
     return best
 
 
-def time_vocab(units: int, shape: Shape, repeats: int, passes: int = 1) -> float:
-    """Forward+backward(+update) seconds of ``units`` vocabulary rows with the parallel CE."""
+def _vocab_step(units: int, shape: Shape, passes: int = 1) -> Callable[[], None]:
+    """One training step of ``units`` vocabulary rows with the parallel CE (the batch cut
+    into ``passes`` micro-batches)."""
     cfg = shape.cfg
     rows = min(units * shape.vocab_chunk, cfg.vocab_size)
     head = nn.Linear(cfg.hidden_size, rows, bias=False)
@@ -196,10 +197,11 @@ def time_vocab(units: int, shape: Shape, repeats: int, passes: int = 1) -> float
         part = targets[: logits.shape[0]]  # every part's rows stand for as many targets
         return vocab_parallel_cross_entropy(logits.float(), part, 0, TPGroup())
 
-    return best_time(
-        _train_step_fn(head, lambda: h0.clone().requires_grad_(True), loss_of, passes),
-        repeats=repeats,
-    )
+    return _train_step_fn(head, lambda: h0.clone().requires_grad_(True), loss_of, passes)
+
+
+def time_vocab(units: int, shape: Shape, repeats: int, passes: int = 1) -> float:
+    return best_time(_vocab_step(units, shape, passes), repeats=repeats)  # see _vocab_step
 
 
 class _Replicated(nn.Module):
@@ -279,10 +281,9 @@ class SegmentTimes:
 
 SPLIT_PASSES = 4
 """The batch is cut into this many micro-batches (at most one sequence each) to measure what
-each one beyond the first adds. Cut in two, the difference was one extra pass against the
-noise of two timings: it came out 0 for the attention in some profiles, and the pipeline
-planner then chose four micro-batches where fewer were faster (predicted 0.545 s, measured
-0.788 s on loopback). Cut in four, the signal is three passes."""
+each one beyond the first adds (cut in two, that signal came out 0 in some profiles). The
+cut is timed in the line's rounds (:func:`best_times`): timed after them, a drift once gave
+the full-speed device's MLP no cost per pass, where it costs ~30 ms."""
 
 
 def per_extra_pass(many: float, one: float, passes: int) -> float:
@@ -305,17 +306,21 @@ def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
     for seg in ("attn", "mlp"):
         step = shape.cfg.q_per_kv if seg == "attn" else 1
         units = unit_points(totals[seg], step)
-        timed = best_times([_layer_step(seg, u, shape) for u in units], repeats)
-        pts = list(zip(units, timed, strict=True))
+        cuts = [_layer_step(seg, units[-1], shape, passes=m)] if m > 1 else []
+        timed = best_times([*(_layer_step(seg, u, shape) for u in units), *cuts], repeats)
+        pts = list(zip(units, timed[: len(units)], strict=True))
         one = fit_line(pts)
         curves[seg] = CostCurve(one.a * layers, one.b * layers)
         u, whole = pts[-1]
-        cut = time_layer_segment(seg, u, shape, repeats, passes=m) if m > 1 else whole
+        cut = timed[-1] if cuts else whole
         split[seg] = per_extra_pass(cut, whole, m) * layers * totals[seg] / u
-    vocab = [(u, time_vocab(u, shape, repeats)) for u in unit_points(totals["vocab"])]
+    units = unit_points(totals["vocab"])
+    cuts = [_vocab_step(units[-1], shape, passes=m)] if m > 1 else []
+    timed = best_times([*(_vocab_step(u, shape) for u in units), *cuts], repeats)
+    vocab = list(zip(units, timed[: len(units)], strict=True))
     curves["vocab"] = fit_line(vocab)
     u, whole = vocab[-1]
-    cut = time_vocab(u, shape, repeats, passes=m) if m > 1 else whole
+    cut = timed[-1] if cuts else whole
     split["vocab"] = per_extra_pass(cut, whole, m) * totals["vocab"] / u
     embed = time_embedding(shape, repeats)
     embed_cut = time_embedding(shape, repeats, passes=m) if m > 1 and embed else embed
@@ -331,19 +336,16 @@ def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
 WHOLE_STEP_WARMUP = 2
 """Untimed steps before the whole step is timed. The first two steps of a freshly built
 model run slower than the rest (the allocator still growing, AdamW's moments created):
-measured in the profiler on ``ci-2dev``, steps 1-6 took 0.76, 0.74, 0.61, 0.60, 0.71,
-0.67 s on the full-speed device and 2.64, 1.92, 1.34, 1.56, 1.38, 1.38 s on the 0.4 one,
-so timing the second step put every prediction 10-40 % high."""
+measured in the profiler on ``ci-2dev``, steps 1-6 took 0.76, 0.74, 0.61, 0.60, 0.71, 0.67 s
+on the full-speed device and 2.64, 1.92, 1.34, 1.56, 1.38, 1.38 s on the 0.4 one, so timing
+the second step put every prediction 10-40 % high."""
 
 WHOLE_STEP_REPEATS = 3
 """Whole steps timed after the warm-up; their median counts, as the benchmark's measured
-step is the median of its counted steps. With one timed step, a step that met a busy
-moment of the host set the scale of every cost of that device: on ``ci-2dev`` the
-prediction of ``single`` ranged 0.67-0.97 s over the five uncached profiles of one sweep
-while the step itself measured 0.73-0.83 s; three profiles in a row predicted the fast
-device alone at 0.59-0.74 s and the slow one at 1.59-2.50 s with one timed step,
-0.70-0.74 s and 1.81-1.97 s with the median of three (two more steps: about 4 s on the
-slow device)."""
+step is the median of its counted steps. With one timed step, a step that met a busy moment
+of the host set the scale of every cost of that device: three profiles in a row predicted
+``ci-2dev``'s fast device alone at 0.59-0.74 s and the slow one at 1.59-2.50 s with one
+timed step, 0.70-0.74 s and 1.81-1.97 s with the median of three."""
 
 
 def time_whole_step(shape: Shape, repeats: int = WHOLE_STEP_REPEATS) -> float:

@@ -65,6 +65,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
                 "whole step: the median of 3",
                 "layer segments: unit points timed interleaved",
                 "sync: its rounds pay the emulated link latency",
+                "split: the cut timed in the line's rounds",
             ],
             "optimizer": "adamw fused",  # the step's optimizer, as the update is timed
         },
