@@ -24,7 +24,8 @@ from xronos.metrics import analyze_pipeline_step, is_pipeline, stall_ratio
 from xronos.metrics.recorder import SpanRecorder
 from xronos.model.lora import LoRAConfig
 from xronos.pipeline.runner import PipelineRunner
-from xronos.pipeline.schedule import Action, gpipe, one_f_one_b, schedule, split_microbatches
+from xronos.pipeline.schedule import split_microbatches
+from xronos.planner.schedules import Action, gpipe, one_f_one_b, schedule
 from xronos.pipeline.session import PipelineSession
 from xronos.planner.pipeline import PipelinePlan
 from xronos.run.worker import FinetuneJob, WorkerResult, finetune_worker

@@ -18,6 +18,7 @@ from xronos.planner.pipesearch import (
     StageDevice,
     device_stages,
     lower_bound,
+    schedule_s,
     search_pipeline,
     stage_costs_for,
 )
@@ -237,6 +238,8 @@ def test_search_puts_the_head_on_the_fast_device_of_a_one_to_point_four_pair() -
 def test_search_matches_brute_force_over_orders_and_microbatches(
     speeds: list[float], heads: list[float], num_layers: int, batch: int, accum: int
 ) -> None:
+    # Every order and micro-batch count, each with its least closed-form split, timed by
+    # the schedule: the search (which prunes with lower_bound) must find the least of them.
     devices = [
         stage_device(f"d{i}", i, s, head=h)
         for i, (s, h) in enumerate(zip(speeds, heads[: len(speeds)], strict=True))
@@ -248,7 +251,13 @@ def test_search_matches_brute_force_over_orders_and_microbatches(
                 continue
             for k in range(1, batch + 1):
                 costs = stage_costs_for(list(order), fraction=1 / k, act_bytes=1e5)
-                want = min(want, brute_step(num_layers, costs, accum * k))
+                plan = plan_pipeline(num_layers, costs, accum * k, exact_step=True)
+                assert lower_bound(num_layers, costs, accum * k) <= brute_step(
+                    num_layers, costs, accum * k
+                )
+                step = schedule_s(plan, list(order), batch, accum, act_bytes=1e5)
+                assert step >= lower_bound(num_layers, costs, accum * k) - 1e-9
+                want = min(want, step)
     got = search_pipeline(num_layers, devices, batch_size=batch, grad_accum=accum, act_bytes=1e5)
     assert got is not None
     assert got.predicted_step_s == pytest.approx(want, rel=1e-9)  # same terms, other order
@@ -370,8 +379,8 @@ def test_the_update_leaves_the_micro_batches_and_the_slowest_stage_pays_it_once(
         for j, (r, (a, b)) in enumerate(zip(plan.stage_ranks, plan.layer_ranges, strict=True))
     ]
     assert plan.update_s == pytest.approx(max(per_stage)) and plan.update_s > 0
-    schedule = sum(plan.predicted_stage_s) + (plan.num_microbatches - 1) * plan.bottleneck_s
-    assert plan.predicted_step_s == pytest.approx(schedule + plan.update_s)
+    assert plan.schedule_s > 0
+    assert plan.predicted_step_s == pytest.approx(plan.schedule_s + plan.update_s)
     assert PipelinePlan.from_dict(plan.to_dict()) == plan
 
 

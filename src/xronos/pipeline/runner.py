@@ -56,17 +56,11 @@ from xronos.parallel.gather import gather_state
 from xronos.parallel.shard import build_model
 from xronos.pipeline.gather import gather_stages
 from xronos.pipeline.layout import StageLayout
-from xronos.pipeline.schedule import (
-    P2P,
-    STRATEGIES,
-    act_tag,
-    grad_tag,
-    schedule,
-    split_microbatches,
-)
+from xronos.pipeline.schedule import P2P, act_tag, grad_tag, split_microbatches
 from xronos.pipeline.tied import TiedRows
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.plan import Plan
+from xronos.planner.schedules import STRATEGIES, schedule
 from xronos.train.batches import Batch, label_count
 from xronos.train.optim import OptimConfig, adamw, update
 from xronos.train.shardgrads import ShardGrads

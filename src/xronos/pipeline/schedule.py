@@ -1,16 +1,9 @@
-"""Pipeline schedules and the point-to-point messages between stages.
+"""Pipeline schedules at run time: micro-batches and the point-to-point messages between
+stages.
 
-A schedule is, per stage, the order of its micro-batch forwards ``F(i)`` and backwards
-``B(i)``. With ``n`` stages, stage ``j`` and ``m`` micro-batches::
-
-    GPipe  (all forwards, then all backwards):
-        stage j:  F0 F1 … F(m-1)  B0 B1 … B(m-1)
-    1F1B   (PipeDream-flush: warm-up, steady one-forward-one-backward, cool-down):
-        stage j:  F0 … F(w-1) | F(w) B0 F(w+1) B1 … F(m-1) B(m-1-w) | B(m-w) … B(m-1)
-                  w = min(n - 1 - j, m) warm-up forwards
-
-1F1B keeps at most ``n - j`` micro-batches' activations alive on stage ``j``; GPipe keeps
-all ``m``. Both finish a step in about ``Σ_j t_j + (m − 1) · max_j t_j`` (the same bubble).
+Which stage runs which micro-batch's forward ``F(i)`` and backward ``B(i)`` in which order
+(GPipe, 1F1B) is the planner's (:mod:`xronos.planner.schedules`, which also times it);
+this module cuts the step's batches into micro-batches and moves the data.
 
 Messages (``<msg>`` per the convention of :mod:`xronos.metrics.analysis`)::
 
@@ -42,7 +35,6 @@ import datetime
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,39 +43,6 @@ from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
 from xronos.metrics.recorder import current_recorder
 from xronos.train.batches import Batch
-
-STRATEGIES = ("pp-gpipe", "pp-1f1b")
-
-
-class Action(NamedTuple):
-    """One step of a stage's schedule: ``kind`` is ``"F"`` (forward) or ``"B"`` (backward)."""
-
-    kind: str
-    mb: int
-
-
-def gpipe(stage: int, num_stages: int, m: int) -> list[Action]:
-    """All forwards, then all backwards (GPipe)."""
-    return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
-
-
-def one_f_one_b(stage: int, num_stages: int, m: int) -> list[Action]:
-    """Warm-up forwards, steady one-forward-one-backward, cool-down backwards (1F1B)."""
-    warmup = min(num_stages - 1 - stage, m)
-    actions = [Action("F", i) for i in range(warmup)]
-    for k in range(m - warmup):
-        actions += [Action("F", warmup + k), Action("B", k)]
-    actions += [Action("B", i) for i in range(m - warmup, m)]
-    return actions
-
-
-def schedule(strategy: str, stage: int, num_stages: int, m: int) -> list[Action]:
-    """The actions of ``stage`` under ``strategy`` (``pp-gpipe`` or ``pp-1f1b``)."""
-    if strategy == "pp-gpipe":
-        return gpipe(stage, num_stages, m)
-    if strategy == "pp-1f1b":
-        return one_f_one_b(stage, num_stages, m)
-    raise UserError(f"unknown pipeline strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
 
 
 def split_microbatches(batches: Sequence[Batch], m: int) -> list[Batch]:

@@ -4,16 +4,17 @@ Stage ``j`` runs on device ``j`` (in the order given) and holds the contiguous d
 layers ``[start_j, end_j)``; the first stage also holds the embedding, the last the final
 norm, the LM head and the loss. With ``m`` micro-batches, GPipe and 1F1B finish a step in
 about ``Σ_j t_j + (m − 1) · max_j t_j``, where ``t_j`` is stage ``j``'s forward+backward
-time per micro-batch (including sending its activations on, which a CPU cannot overlap
-with compute). For ``m`` well above the number of stages the bottleneck term dominates,
-so — as Asteroid and EdgeShard do — the planner minimises the **bottleneck stage time**
-``max_j t_j`` exactly by dynamic programming over contiguous partitions; among partitions
-with the least bottleneck it takes the one with the least ``Σ_j t_j`` (the pipeline's
-fill time), and among those the one whose stage boundaries come first.
+time per micro-batch (including sending its activations on, which a CPU cannot overlap with
+compute; :mod:`xronos.planner.schedules` times a schedule more closely). For ``m`` well
+above the number of stages the bottleneck term dominates, so — as Asteroid and EdgeShard do
+— the planner minimises the **bottleneck stage time** ``max_j t_j`` exactly by dynamic
+programming over contiguous partitions; among partitions with the least bottleneck it takes
+the one with the least ``Σ_j t_j`` (the pipeline's fill time), and among those the one whose
+stage boundaries come first.
 
-Every stage gets at least one layer (a device with none would only forward activations);
-a stage must fit its device's memory. Which devices take part, in which order (so where the
-LM head lands) and how many micro-batches a step has are searched outside, over calls of
+Every stage gets at least one layer (a device with none would only forward activations); a
+stage must fit its device's memory. Which devices take part, in which order (so where the LM
+head lands) and how many micro-batches a step has are searched outside, over calls of
 :func:`plan_pipeline` (:mod:`xronos.planner.pipesearch`); ``PipelinePlan.ranks`` records
 which rank of the profiled cluster runs each stage.
 """
@@ -113,12 +114,14 @@ class PipelinePlan:
     """Which rank of the cluster runs stage ``j`` (``ranks[j]``); empty = stage ``j`` on
     rank ``j`` (plans written before the stage order was searched)."""
     step_extra_s: float = 0.0
-    """Predicted time once per step outside the schedule: the last stage sends the first
-    the tied embedding's rows of the step's tokens, and gets their gradient back
-    (:mod:`xronos.pipeline.tied`)."""
+    """Predicted time once per step outside the schedule: the tied embedding's rows of the
+    step's tokens, last stage to first, and their gradient back (:mod:`xronos.pipeline.tied`)."""
     update_s: float = 0.0
     """Predicted step-end update after the schedule: the slowest stage's (every stage waits
     for the gradient norm's all-reduce, then updates its own parameters)."""
+    schedule_s: float = 0.0
+    """Predicted schedule, first forward to last backward, simulated with each micro-batch's
+    own cost (:mod:`xronos.planner.schedules`); 0: the closed form below stands in."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(str(d) for d in self.devices))
@@ -130,11 +133,8 @@ class PipelinePlan:
         if self.predicted_stage_s and len(self.predicted_stage_s) != len(ranges):
             raise ValueError("pipeline plan: predicted_stage_s needs one entry per stage")
         ends = [0] + [b for _, b in ranges]
-        for j, (a, b) in enumerate(ranges):
-            if a != ends[j] or b <= a:
-                raise ValueError(
-                    f"pipeline plan: ranges must be contiguous and non-empty: {ranges}"
-                )
+        if any(a != ends[j] or b <= a for j, (a, b) in enumerate(ranges)):
+            raise ValueError(f"pipeline plan: ranges must be contiguous and non-empty: {ranges}")
         if self.num_microbatches < 1:
             raise ValueError(f"pipeline plan: num_microbatches={self.num_microbatches} < 1")
         ranks = tuple(int(r) for r in self.ranks)
@@ -169,12 +169,12 @@ class PipelinePlan:
 
     @property
     def predicted_step_s(self) -> float:
-        """``Σ_j t_j + (m − 1) · max_j t_j`` (a GPipe/1F1B step) plus ``step_extra_s`` and
-        ``update_s`` (nan without predictions)."""
+        """The schedule (``schedule_s``, else ``Σ_j t_j + (m − 1) · max_j t_j``) plus
+        ``step_extra_s`` and ``update_s`` (nan without predictions)."""
         if not self.predicted_stage_s:
             return math.nan
-        schedule = sum(self.predicted_stage_s) + (self.num_microbatches - 1) * self.bottleneck_s
-        return schedule + self.step_extra_s + self.update_s
+        closed = sum(self.predicted_stage_s) + (self.num_microbatches - 1) * self.bottleneck_s
+        return (self.schedule_s or closed) + self.step_extra_s + self.update_s
 
     # -- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -197,6 +197,7 @@ class PipelinePlan:
                 ranks=tuple(d.get("ranks", ())),
                 step_extra_s=float(d.get("step_extra_s", 0.0)),
                 update_s=float(d.get("update_s", 0.0)),
+                schedule_s=float(d.get("schedule_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(
@@ -370,12 +371,11 @@ def _least_step(
 ) -> list[int]:
     """Stage ends minimising ``Σ t + (m − 1) · max t``, exactly.
 
-    For every bound ``b``, the least ``Σ t`` with every stage ``≤ b`` plus ``(m − 1) · b``
-    is at least the step of the partition it finds, and equals the optimum's step at
-    ``b`` = the optimum's bottleneck; so the least over the stage times ``b`` is the
-    optimum. Only bounds from the least bottleneck up to where ``(m − 1) · b`` alone
-    exceeds the best found can win, which keeps the candidates few.
-    """
+    For every bound ``b``, the least ``Σ t`` with every stage ``≤ b`` plus ``(m − 1) · b`` is
+    at least the step of the partition it finds, and equals the optimum's step at ``b`` = the
+    optimum's bottleneck; so the least over the stage times ``b`` is the optimum. Only bounds
+    from the least bottleneck up to where ``(m − 1) · b`` alone exceeds the best found can
+    win, which keeps the candidates few."""
     table = _table(num_layers, costs)
     fill, ends = _partition(num_layers, costs, bottleneck, table)
     best = fill + (m - 1) * bottleneck

@@ -20,9 +20,11 @@ exactly. This module searches around it, all of it pure:
   needs ``m`` a multiple of ``grad_accum`` and no empty part); more micro-batches shrink the
   bubble ``(m − 1) · max_j t_j / m`` but pay each message's latency more often.
 
-A step (one optimizer step, ``grad_accum`` batches) is predicted as GPipe/1F1B's
-``Σ_j t_j + (m − 1) · max_j t_j``, and for each order and ``m`` the layer split minimises
-exactly that (``plan_pipeline(..., exact_step=True)``). With a tied embedding that trains,
+For each order and ``m`` the layer split minimises GPipe/1F1B's closed form
+``Σ_j t_j + (m − 1) · max_j t_j`` (``plan_pipeline(..., exact_step=True)``); the step
+(one optimizer step, ``grad_accum`` batches) is then predicted by running the 1F1B schedule
+with each micro-batch's own cost (:func:`schedule_s`: ``B`` sequences cut in ``k`` parts
+need not be equal), and the orders and ``m`` compete on that. With a tied embedding that trains,
 the last stage sends the first the rows of the step's tokens before the schedule and gets
 their gradient back after it (:mod:`xronos.pipeline.tied`): two messages of
 ``tied_bytes`` over their pair's link, one after the other, added to the step
@@ -43,6 +45,7 @@ from xronos.planner.comm import LinkModel, pair
 from xronos.planner.pipeline import PipelinePlan, StageCosts, plan_pipeline
 from xronos.planner.plan import default_mlp_chunk, default_vocab_chunk, segment_units
 from xronos.planner.profile import DeviceProfile
+from xronos.planner.schedules import makespan, microbatch_sizes
 
 
 @dataclass(frozen=True)
@@ -206,10 +209,39 @@ def search_pipeline(
                 )
             except UserError:
                 break  # memory does not depend on k: no k fits this order
-            plan = replace(plan, step_extra_s=tied, update_s=update_s(plan, costs))
+            plan = replace(
+                plan,
+                step_extra_s=tied,
+                update_s=update_s(plan, costs),
+                schedule_s=schedule_s(plan, staged, batch_size, grad_accum, act_bytes),
+            )
             if best is None or plan.predicted_step_s < best.predicted_step_s - 1e-12:
                 best = plan
     return best
+
+
+def schedule_s(
+    plan: PipelinePlan,
+    staged: Sequence[StageDevice],
+    batch_size: int,
+    grad_accum: int,
+    act_bytes: float,
+    strategy: str = "pp-1f1b",
+) -> float:
+    """``plan``'s schedule simulated with each micro-batch's own cost: the batch cut as the
+    runtime cuts it (``k`` parts of ``B`` need not be equal), each part costing its share
+    of the profiled batch plus a pass's fixed cost, as :func:`stage_costs_for` prices it."""
+    parts = plan.num_microbatches // grad_accum
+    sizes = microbatch_sizes(batch_size, parts, grad_accum)
+    n = len(staged)
+    by_size = {
+        b: stage_costs_for(staged, fraction=b / batch_size, act_bytes=act_bytes) for b in set(sizes)
+    }
+    table = [
+        [by_size[b][j].stage_s(hi - lo, first=j == 0, last=j == n - 1) for b in sizes]
+        for j, (lo, hi) in enumerate(plan.layer_ranges)
+    ]
+    return makespan(strategy, table)
 
 
 def update_s(plan: PipelinePlan, costs: Sequence[StageCosts]) -> float:
@@ -226,12 +258,13 @@ def update_s(plan: PipelinePlan, costs: Sequence[StageCosts]) -> float:
 
 def lower_bound(num_layers: int, costs: Sequence[StageCosts], m: int) -> float:
     """A step no split of these stages (in this order) can beat, memory ignored: every layer
-    costs at least the cheapest stage's layer, every stage holds one layer or more, and the
-    bottleneck is at least the mean and at least any one-layer stage."""
+    costs at least the cheapest stage's layer and every stage holds one layer or more, so
+    the ``m`` micro-batches' work is at least ``m`` times that least fill; the busiest stage
+    does at least its share of it, and at least ``m`` one-layer micro-batches."""
     n = len(costs)
     one = [c.stage_s(1, first=j == 0, last=j == n - 1) for j, c in enumerate(costs)]
     fill = sum(one) + (num_layers - n) * min(c.layer_s for c in costs)
-    return fill + (m - 1) * max(fill / n, *one)
+    return m * max(fill / n, *one)
 
 
 def activation_bytes(profiles: Sequence[DeviceProfile]) -> float:
