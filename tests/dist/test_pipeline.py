@@ -25,9 +25,9 @@ from xronos.metrics.recorder import SpanRecorder
 from xronos.model.lora import LoRAConfig
 from xronos.pipeline.runner import PipelineRunner
 from xronos.pipeline.schedule import split_microbatches
-from xronos.planner.schedules import Action, gpipe, one_f_one_b, schedule
 from xronos.pipeline.session import PipelineSession
 from xronos.planner.pipeline import PipelinePlan
+from xronos.planner.schedules import Action, gpipe, one_f_one_b, schedule
 from xronos.run.worker import FinetuneJob, WorkerResult, finetune_worker
 from xronos.train.loop import run_step
 from xronos.train.session import Strategy

@@ -173,6 +173,10 @@ def test_the_whole_step_is_the_median_of_its_timed_steps(monkeypatch: pytest.Mon
     assert next(durations, None) is None  # every step ran: 2 warm-up, 3 timed
 
 
+def _time_vocab(units: int, shape: Shape, repeats: int) -> float:
+    return measure.best_time(measure._vocab_step(units, shape), repeats=repeats)
+
+
 def flops_of(fn: Callable[[], None], repeats: int = 2, warmup: int = 0) -> float:
     """A deterministic stand-in for ``best_time``: the FLOPs of one run of ``fn``."""
     counter = FlopCounterMode(display=False)
@@ -195,7 +199,7 @@ def test_measured_work_grows_linearly_with_the_units(
     shape = replace(SHAPE, lora=lora)
     g = shape.cfg.q_per_kv if seg == "attn" else 1
     if seg == "vocab":
-        points = [measure.time_vocab(u, shape, repeats=1) for u in (1, 2, 3, 4)]
+        points = [_time_vocab(u, shape, repeats=1) for u in (1, 2, 3, 4)]
     else:
         points = [measure.time_layer_segment(seg, g * u, shape, 1) for u in (1, 2, 3, 4)]
     steps = [y - x for x, y in itertools.pairwise(points)]
@@ -228,7 +232,7 @@ def test_measure_segments_fits_what_it_measured(
         # all layers for attn and mlp; the fit must reproduce it at every unit count
         # (attention's at whole KV groups, where it is linear).
         one = {
-            u: measure.time_vocab(u, shape, 1)
+            u: _time_vocab(u, shape, 1)
             if seg == "vocab"
             else measure.time_layer_segment(seg, u, shape, 1) * layers
             for u in ((q, 2 * q, totals[seg]) if seg == "attn" else (1, 2, totals[seg]))

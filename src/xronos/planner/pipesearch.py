@@ -226,9 +226,8 @@ def schedule_s(
     batch_size: int,
     grad_accum: int,
     act_bytes: float,
-    strategy: str = "pp-1f1b",
 ) -> float:
-    """``plan``'s schedule simulated with each micro-batch's own cost: the batch cut as the
+    """``plan``'s 1F1B schedule simulated with each micro-batch's own cost: the batch cut as the
     runtime cuts it (``k`` parts of ``B`` need not be equal), each part costing its share
     of the profiled batch plus a pass's fixed cost, as :func:`stage_costs_for` prices it."""
     parts = plan.num_microbatches // grad_accum
@@ -241,7 +240,7 @@ def schedule_s(
         [by_size[b][j].stage_s(hi - lo, first=j == 0, last=j == n - 1) for b in sizes]
         for j, (lo, hi) in enumerate(plan.layer_ranges)
     ]
-    return makespan(strategy, table)
+    return makespan("pp-1f1b", table)
 
 
 def update_s(plan: PipelinePlan, costs: Sequence[StageCosts]) -> float:

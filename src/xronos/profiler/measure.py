@@ -12,6 +12,7 @@ the least disturbed by other processes and by the CPU quota's throttling phase.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -200,10 +201,6 @@ def _vocab_step(units: int, shape: Shape, passes: int = 1) -> Callable[[], None]
     return _train_step_fn(head, lambda: h0.clone().requires_grad_(True), loss_of, passes)
 
 
-def time_vocab(units: int, shape: Shape, repeats: int, passes: int = 1) -> float:
-    return best_time(_vocab_step(units, shape, passes), repeats=repeats)  # see _vocab_step
-
-
 class _Replicated(nn.Module):
     """What every device repeats: embedding, per layer two norms and two residual adds,
     the final norm."""
@@ -292,11 +289,20 @@ def per_extra_pass(many: float, one: float, passes: int) -> float:
     return max(many - one, 0.0) / (passes - 1) if passes > 1 else 0.0
 
 
+def _line_and_cut(
+    step_of: Callable[..., Callable[[], None]], units: list[int], m: int, repeats: int
+) -> tuple[list[tuple[int, float]], float]:
+    """The line's points ``(u, seconds)`` and, timed in the same rounds, the largest point's
+    step with the batch cut into ``m`` passes (that point's own time where ``m`` is 1)."""
+    cuts = [step_of(units[-1], passes=m)] if m > 1 else []
+    timed = best_times([*(step_of(u) for u in units), *cuts], repeats)
+    return list(zip(units, timed[: len(units)], strict=True)), timed[-1]
+
+
 def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
     """Fitted per-step cost curves of attn / mlp / vocab, the replicated seconds, and what
-    each micro-batch beyond the first costs (the batch cut into up to
-    :data:`SPLIT_PASSES`, measured at the larger unit point, scaled to all units; 0 for a
-    batch of one sequence, which cannot be cut)."""
+    each micro-batch beyond the first costs (the batch cut into up to :data:`SPLIT_PASSES`,
+    at the larger unit point, scaled to all units; 0 for one sequence, which cannot be cut)."""
     totals = segment_units(shape.cfg, shape.mlp_chunk, shape.vocab_chunk)
     curves: dict[str, CostCurve] = {}
     split: dict[str, float] = {}
@@ -305,22 +311,16 @@ def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
     time_layer_segment("mlp", 1, shape, repeats=1)  # warm the allocator and the kernels
     for seg in ("attn", "mlp"):
         step = shape.cfg.q_per_kv if seg == "attn" else 1
-        units = unit_points(totals[seg], step)
-        cuts = [_layer_step(seg, units[-1], shape, passes=m)] if m > 1 else []
-        timed = best_times([*(_layer_step(seg, u, shape) for u in units), *cuts], repeats)
-        pts = list(zip(units, timed[: len(units)], strict=True))
+        layer = functools.partial(_layer_step, seg, shape=shape)
+        pts, cut = _line_and_cut(layer, unit_points(totals[seg], step), m, repeats)
         one = fit_line(pts)
         curves[seg] = CostCurve(one.a * layers, one.b * layers)
         u, whole = pts[-1]
-        cut = timed[-1] if cuts else whole
         split[seg] = per_extra_pass(cut, whole, m) * layers * totals[seg] / u
-    units = unit_points(totals["vocab"])
-    cuts = [_vocab_step(units[-1], shape, passes=m)] if m > 1 else []
-    timed = best_times([*(_vocab_step(u, shape) for u in units), *cuts], repeats)
-    vocab = list(zip(units, timed[: len(units)], strict=True))
+    head = functools.partial(_vocab_step, shape=shape)
+    vocab, cut = _line_and_cut(head, unit_points(totals["vocab"]), m, repeats)
     curves["vocab"] = fit_line(vocab)
     u, whole = vocab[-1]
-    cut = timed[-1] if cuts else whole
     split["vocab"] = per_extra_pass(cut, whole, m) * totals["vocab"] / u
     embed = time_embedding(shape, repeats)
     embed_cut = time_embedding(shape, repeats, passes=m) if m > 1 and embed else embed
