@@ -334,7 +334,7 @@ def test_teardown_removes_every_cgroup_on_each_exit_path(tmp_path: Path, ending:
 
 
 LAUNCHER = """
-import multiprocessing as mp, sys, time
+import multiprocessing as mp, signal, sys, time
 from xronos.emulation import Emulator, load_cluster
 
 def worker(slot):
@@ -342,6 +342,7 @@ def worker(slot):
     time.sleep(120)
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the test runner's was
     with Emulator(
         load_cluster("ci-2dev"), sys.argv[1], state_dir=sys.argv[2], check_speed=False
     ) as emu:
@@ -382,11 +383,33 @@ def wait_gone(pids: list[int], timeout_s: float = 10) -> bool:
 def test_sigterm_to_the_launcher_tears_down_and_still_terminates_it(tmp_path: Path) -> None:
     run = run_id()
     launcher, workers = start_launcher(tmp_path, run)
-    assert len(leftover_dirs(run)) >= 2
-    launcher.send_signal(signal.SIGTERM)
-    assert launcher.wait(timeout=30) == -signal.SIGTERM  # the previous (default) handler ran
-    assert wait_gone(workers)
-    assert leftover_dirs(run) == []
+    try:
+        assert len(leftover_dirs(run)) >= 2
+        launcher.send_signal(signal.SIGTERM)
+        # the launcher sleeps 120 s: anything but -SIGTERM well before that is a failure
+        assert launcher.wait(timeout=60) == -signal.SIGTERM  # the default handler ran
+        assert wait_gone(workers)
+        assert leftover_dirs(run) == []
+    finally:  # a failure leaves no load or cgroup behind for the tests after it
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        cleanup_stale(state_dir=tmp_path / "state")
+
+
+@needs_cgroups
+def test_a_process_that_ignores_sigterm_keeps_ignoring_it(tmp_path: Path) -> None:
+    cluster = ClusterSpec("c", (DeviceSpec("hub", 1, 1.0),))
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with Emulator(cluster, run_id(), state_dir=tmp_path, check_speed=False):
+            assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with Emulator(cluster, run_id(), state_dir=tmp_path, check_speed=False) as emu:
+            assert signal.getsignal(signal.SIGTERM) == emu._on_sigterm  # teardown first
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # then the default again
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 @needs_cgroups

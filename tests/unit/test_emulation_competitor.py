@@ -73,18 +73,21 @@ def test_a_required_load_the_host_cannot_run_is_one_clear_error(
 @pytest.mark.slow
 def test_the_load_takes_its_share_of_the_cpu_and_gives_it_back() -> None:
     cpu = sorted(os.sched_getaffinity(0))[-1]
+    before = _share_of_busy_loop(cpu)
     load = Competitor((cpu,), 0.4)
     try:
         limited = _share_of_busy_loop(cpu)
     finally:
         load.stop()
-    free = _share_of_busy_loop(cpu)
+    after = _share_of_busy_loop(cpu)
     # The load leaves 0.4 of each millisecond; context switches and the helper's wake-ups
-    # cost a few hundredths (calibration corrects that in the emulator), and other host
-    # activity on the CPU only lowers the share. 0.25-0.55 tells "limited to about 0.4"
-    # from both "no limit" (~1.0) and "starved"; after stop() the loop has the CPU again.
-    assert 0.25 <= limited <= 0.55
-    assert free > 0.8
+    # cost a few hundredths (calibration corrects that in the emulator). Other activity on
+    # a shared host lowers every share alike (one CI host gave the loop 0.19 under the
+    # load), so the share under load is taken against the share just before it:
+    # 0.25-0.55 of it tells "limited to about 0.4" from both "no limit" (~1.0) and
+    # "starved"; after stop() the loop has at least twice the limited share again.
+    assert 0.25 <= limited / before <= 0.55, (before, limited)
+    assert after > 2 * limited, (limited, after)
     assert all(p.poll() is not None for p in load.processes)
 
 

@@ -166,7 +166,8 @@ class Emulator:
         atexit.register(self.close)
         if threading.current_thread() is threading.main_thread():
             self._prev_sigterm = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            if self._prev_sigterm != signal.SIG_IGN:  # a process that ignores it keeps doing so
+                signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             self._state = RunState(self.run_id, self._owner, process_start_time(self._owner))
             asked = [self.asked_speed(r) for r in range(self.cluster.world_size)]
@@ -334,7 +335,7 @@ class Emulator:
         self.close()
         if callable(prev):
             prev(signum, frame)
-        elif prev != signal.SIG_IGN and os.getpid() == self._owner:
+        elif os.getpid() == self._owner:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 
