@@ -2,27 +2,22 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.hf_models import make_checkpoint, save_word_tokenizer
+from xronos.cli import main
 
 PROMPT = "please turn on the light in the kitchen"
 
 
-def _xronos(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "xronos", *args], capture_output=True, text=True, timeout=300
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_generate_matches_transformers(tmp_path: Path, arch: str) -> None:
+def test_generate_matches_transformers(
+    tmp_path: Path, arch: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     # GQA (8 q heads over 4 KV groups), untied for Llama and tied for Qwen2.
     ref = make_checkpoint(tmp_path, arch, tied=arch == "qwen2", vocab=64, seed=11)
     save_word_tokenizer(tmp_path, 64)
@@ -35,6 +30,6 @@ def test_generate_matches_transformers(tmp_path: Path, arch: str) -> None:
     want = " ".join(map(str, out[0, ids.shape[1] :].tolist()))
     common = ["generate", "--model", str(tmp_path), "--prompt", PROMPT, "--max-new-tokens", "16"]
     for extra in (["--devices", "3", "--shares", "2,1,1"], ["--devices", "1"]):
-        res = _xronos(*common, *extra, "--ids")
-        assert res.returncode == 0, res.stderr
-        assert res.stdout.strip() == want, extra
+        capsys.readouterr()
+        assert main([*common, *extra, "--ids"]) == 0
+        assert capsys.readouterr().out.strip() == want, extra

@@ -5,10 +5,10 @@ Face directory whose tokenizer adds no BOS."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ import torch
 
 from tests.hf_models import make_checkpoint
 from tests.unit.test_gguf_io import TEMPLATE, VOCAB, make_tokenizer, smollm2_file
+from xronos.cli import main
 from xronos.export.gguf import write_gguf
 
 tf = pytest.importorskip("transformers")
@@ -28,16 +29,14 @@ CHAT_TEMPLATE = TEMPLATE + "{% if add_generation_prompt %}<|im_start|>assistant\
 
 
 def _xronos_ids(model: str, prompt: str, *, chat: bool) -> list[int]:
+    """``xronos generate``'s printed ids (the CLI run in this process, its workers forked
+    as in any run; pytest's capture holds what it prints)."""
     args = ["generate", "--model", model, "--prompt", prompt, "--ids"]
     args += ["--max-new-tokens", str(NEW_TOKENS), "--devices", "3", "--shares", "3,2,1"]
-    res = subprocess.run(
-        [sys.executable, "-m", "xronos", *args, *(["--chat"] if chat else [])],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr
-    return [int(t) for t in res.stdout.split()]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*args, *(["--chat"] if chat else [])]) == 0
+    return [int(t) for t in out.getvalue().split()]
 
 
 def _gguf_template(path: Path) -> str:

@@ -19,11 +19,12 @@ from xronos.run.rebalance import COOLDOWN
 # the other program joins the slow device's cgroups
 pytestmark = pytest.mark.skipif(NO_CGROUPS is not None, reason=str(NO_CGROUPS))
 
-STEPS = 110
+STEPS = 84
 DISTURB_AT = 36  # the steady steps before it pass the cooldown (24) and 3 agreements
-# A move must pay twice its cost over the steps left: with ~60 left after the program
-# starts, the saving (about a third of a step) clears that with room; with ~35 it was
-# borderline on a busy host.
+# A move must pay twice its cost over the steps left. The first move comes by step 52
+# (below), leaving at least 32 steps: in one run the program took a step from 0.55-0.67
+# to 1.43 s, the move came at step 44 and was predicted to save 22.7 s over the 40 steps
+# left against a 1.4 s move (steps then 0.75-0.85 s), so 32 leave it a wide margin.
 # `small` with LoRA: enough units per segment that the plan can follow the slow device (on
 # `tiny` it already holds almost nothing), and no AdamW over every weight each step. 64
 # tokens a sequence: at 32 the slow device's share is small enough (its vocabulary slice
