@@ -392,6 +392,17 @@ def test_deterministic_and_json_round_trip() -> None:
     back = Plan.from_json(plan.to_json())
     assert back == plan and back.predicted_s == plan.predicted_s
     assert "pred. s/step" in plan.table() and "c" in plan.table()
+    # each device's row (4 decimals: abs 1e-4): its predicted seconds summed over the segments,
+    # and its wait on the slowest device of each segment
+    row = plan.table().splitlines()[3].split()
+    pred = plan.predicted_s
+    assert row[0] == "c" and float(row[4]) == pytest.approx(
+        sum(v[2] for v in pred.values()), abs=1e-4
+    )
+    assert float(row[5]) == pytest.approx(sum(max(v) - v[2] for v in pred.values()), abs=1e-4)
+    # a plan made without profiles predicts nothing, and says so
+    even = Plan.even(cfg, ("a", "b")).table()
+    assert "nan" not in even and even.splitlines()[1].split()[-2:] == ["-", "-"]
 
 
 # -- predictions ----------------------------------------------------------------------------

@@ -221,24 +221,13 @@ class Plan:
     def table(self) -> str:
         """A plain-text table: device, units per segment, predicted time and idle."""
         rows = [("device", "attn", "mlp", "vocab", "pred. s/step", "pred. idle s")]
-        pred = self.predicted_s
-        per_dev = [
-            sum(pred[s][i] for s in SEGMENTS if s in pred) if pred else float("nan")
-            for i in range(self.world_size)
-        ]
+        pred = self.predicted_s  # empty for a plan made without profiles (tp-even): "-"
         worst = {s: max(pred[s]) for s in pred}
         for i, name in enumerate(self.devices):
-            idle = sum(worst[s] - pred[s][i] for s in pred) if pred else float("nan")
-            rows.append(
-                (
-                    name,
-                    str(self.attn[i]),
-                    str(self.mlp[i]),
-                    str(self.vocab[i]),
-                    f"{per_dev[i]:.4f}",
-                    f"{idle:.4f}",
-                )
-            )
+            busy = sum(pred[s][i] for s in SEGMENTS if s in pred)
+            idle = sum(worst[s] - pred[s][i] for s in pred)
+            times = (f"{busy:.4f}", f"{idle:.4f}") if pred else ("-", "-")
+            rows.append((name, str(self.attn[i]), str(self.mlp[i]), str(self.vocab[i]), *times))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         return "\n".join(
             "  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows

@@ -225,7 +225,7 @@ class RunMonitor:
         if dt is not None:
             self.tokens += ev["tokens"]
             self.train_s += dt
-        tps = self.tokens / self.train_s if self.train_s > 0 else float("nan")
+        tps = self.tokens / self.train_s if self.train_s > 0 else None  # none timed yet
         step, loss = ev["step"], ev["loss"]
         self.losses.append((step, loss))
         self.last_step = step
@@ -244,7 +244,8 @@ class RunMonitor:
         if self.tb is not None:
             self.tb.add_scalar("train/loss", loss, step)
         idle_txt = " ".join(f"{x:.0%}" for x in idle) if idle else "-"
-        status = f"loss {loss:.4f}  {tps:,.0f} tok/s  idle {idle_txt}"
+        tps_txt = f"{tps:,.0f}" if tps is not None else "-"
+        status = f"loss {loss:.4f}  {tps_txt} tok/s  idle {idle_txt}"
         if self.bar is not None:
             if not self.bar.live.is_started:
                 self.bar.start()
