@@ -50,6 +50,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert main([*args, "--out", str(out), "--no-cache", *EXACT]) == 0
     bench = json.loads((out / "bench.json").read_text())
     assert {"scenario", "model", "devices", "ideal_step_time_s", "strategies"} <= bench.keys()
+    # uncached: profiling took time, and xronos's planning (calibration) more on top of it
+    assert 0 < bench["profiling_s"] < bench["profiling_and_planning_s"]
     # every device ran the whole model alone, and the ideal is their compute bound alone
     solo = bench["solo_step_time_s"]
     assert set(solo) == {"fast", "slow"} and min(solo.values()) > 0
