@@ -23,6 +23,7 @@ from xronos.emulation.speed import (
     calibrate,
     check_device,
     next_fraction,
+    next_fraction_anchored,
     periods_to_try,
 )
 
@@ -149,6 +150,35 @@ def test_calibration_corrects_a_proportional_loss() -> None:
     assert best.got == pytest.approx(0.4)
     assert calls == [(0.4, 10_000), (pytest.approx(0.4 / 0.9), 10_000)]
     assert tried[-1] is best
+
+
+def test_anchored_step_lies_on_the_line_through_full_speed() -> None:
+    # Got 0.28 at a limit of 0.40: the line through (0.40, 0.28) and (1, 1) reaches 0.40 at
+    # 1 - 0.6 * 0.6 / 0.72 = 0.5.
+    assert next_fraction_anchored(0.4, 0.4, 0.28) == pytest.approx(0.5)
+    assert next_fraction_anchored(0.5, 0.4, 0.28) == pytest.approx(1 - 0.6 * 0.5 / 0.72)
+    assert next_fraction_anchored(0.4, 0.4, 0.9) == pytest.approx(0.2)  # at most ×2 down
+    assert next_fraction_anchored(0.3, 0.9, 0.1) == pytest.approx(0.6)  # at most ×2 up
+    # Where the line is not defined, the proportional step.
+    for got in (0.0, 1.0, 1.2, math.nan):
+        assert next_fraction_anchored(0.4, 0.4, got) == next_fraction(0.4, 0.4, got)
+
+
+def test_a_loss_that_grows_with_the_load_takes_one_anchored_correction() -> None:
+    # The competing load's shape (measured: 0.28 at 0.40, 0.49 at 0.57, 0.37 at 0.47): the
+    # device loses a fifth of each busy slice beyond the slice itself.
+    def load(f: float, p: int) -> float:
+        return 1.2 * f - 0.2
+
+    measure_at, calls = fake_kernel(load)
+    best, _ = calibrate(measure_at, 0.4, [1_000], step=next_fraction_anchored)
+    assert [f for f, _ in calls] == [0.4, pytest.approx(0.5)]
+    assert best.got == pytest.approx(0.4)
+    # Scaling by asked/got overshoots (0.4 * 0.4 / 0.28 = 0.571 runs at 0.486) and never
+    # reaches the tolerance in three settings.
+    measure_at, calls = fake_kernel(load)
+    best, _ = calibrate(measure_at, 0.4, [1_000])
+    assert len(calls) == 3 and abs(best.got / 0.4 - 1) > speed.TOLERANCE
 
 
 def test_calibration_leaves_a_period_the_kernel_does_not_enforce() -> None:

@@ -6,27 +6,27 @@ milliseconds a throttled group overruns and then owes whole periods, and a throt
 finds its caches cold when it runs again. At start-up the emulator therefore times a fixed
 CPU kernel (:mod:`probe`) inside each throttled device's limits and, on the same CPUs, with
 the limit lifted; the ratio is the device's effective speed. Where it is off by more than
-:data:`TOLERANCE` the quota is scaled by asked/measured and measured again
-(:func:`calibrate`); where that cannot reach :data:`ACCEPT` at the requested period, longer
-periods (:data:`FALLBACK_PERIODS_US`) are tried. Every device's result is a
-:class:`SpeedCheck`, reported as ``speed: device slow: asked 0.40, got 0.39 (…)``.
+:data:`TOLERANCE` the limit is moved and measured again (:func:`calibrate`): a CFS quota
+scaled by asked/measured, a competing load along the line through the measurement and full
+speed (:func:`next_fraction_anchored`); where that cannot reach :data:`ACCEPT` at the
+requested period, longer periods (:data:`FALLBACK_PERIODS_US`) are tried. Every device's
+result is a :class:`SpeedCheck`, reported as ``speed: device slow: asked 0.40, got 0.39
+(…)``.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from xronos.emulation.cgroups import Group, Hierarchy, quota_and_period
+from xronos.emulation.cgroups import Group, Hierarchy
 from xronos.emulation.cluster import DeviceSpec
 from xronos.emulation.competitor import MECHANISM as LOAD
 from xronos.emulation.competitor import PERIOD_S as LOAD_PERIOD_S
-from xronos.emulation.competitor import Competitor
-from xronos.emulation.dutycycle import DutyCycle
+from xronos.emulation.limiters import CgroupLimiter, DutyLimiter, Limiter, LoadLimiter
 from xronos.emulation.probe import REPS, Probe, ProbeError
 
 ROUNDS = 3
@@ -104,94 +104,6 @@ class SpeedCheck:
         return asdict(self)
 
 
-class Limiter(Protocol):
-    """Puts a limit on the probe and lifts it again."""
-
-    def on(self, fraction: float, period_us: int) -> int:
-        """Limit to ``fraction`` of the CPU set; returns the period really used."""
-        ...
-
-    def off(self) -> None: ...
-
-    def settle(self, fraction: float, period_us: int) -> None:
-        """Leave the device with this limit once the probe is done."""
-        ...
-
-
-class CgroupLimiter:
-    """A device group's CPU quota (``fraction × cpus`` CPUs per period)."""
-
-    def __init__(self, hierarchy: Hierarchy, group: Group, n_cpus: int, period_us: int) -> None:
-        self.hierarchy, self.group, self.n_cpus, self.period_us = (
-            hierarchy,
-            group,
-            n_cpus,
-            period_us,
-        )
-
-    def on(self, fraction: float, period_us: int) -> int:
-        quota_us, period = quota_and_period(fraction * self.n_cpus, period_us)
-        self.hierarchy.set_quota(self.group, quota_us, period)
-        self.period_us = period
-        return period
-
-    def off(self) -> None:
-        self.hierarchy.set_quota(self.group, None, self.period_us)
-
-    def settle(self, fraction: float, period_us: int) -> None:
-        self.on(fraction, period_us)
-
-
-class DutyLimiter:
-    """The duty-cycle fallback's helper process on the probe."""
-
-    SETTLE_S = 0.2
-    """Time for the helper to start before the kernel runs."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.helper: DutyCycle | None = None
-
-    def on(self, fraction: float, period_us: int) -> int:
-        self.off()
-        if fraction < 1.0:
-            self.helper = DutyCycle(self.pid, fraction, period_us / 1e6)
-            time.sleep(self.SETTLE_S)
-        return period_us
-
-    def off(self) -> None:
-        if self.helper is not None:
-            self.helper.stop()
-            self.helper = None
-
-    def settle(self, fraction: float, period_us: int) -> None:
-        """The worker's own helper starts when it is attached; nothing stays on the probe."""
-        self.off()
-
-
-class LoadLimiter:
-    """A :class:`Competitor` on the probe's CPUs while the limited kernel runs."""
-
-    def __init__(self, cpus: Sequence[int]) -> None:
-        self.cpus = tuple(cpus)
-        self.load: Competitor | None = None
-
-    def on(self, fraction: float, period_us: int) -> int:
-        self.off()
-        if fraction < 1.0:
-            self.load = Competitor(self.cpus, fraction, period_us / 1e6)
-        return period_us
-
-    def off(self) -> None:
-        if self.load is not None:
-            self.load.stop()
-            self.load = None
-
-    def settle(self, fraction: float, period_us: int) -> None:
-        """The emulator starts the lasting load after the check; nothing stays on."""
-        self.off()
-
-
 def measure(
     probe: Probe,
     limiter: Limiter,
@@ -218,10 +130,25 @@ def measure(
 
 
 def next_fraction(fraction: float, asked: float, got: float) -> float:
-    """The limit to try next: scaled by asked/got (by at most ×2 either way), at most 1."""
+    """The limit to try next: scaled by asked/got (a loss proportional to the limit, as a
+    CFS quota's), by at most ×2 either way, at most 1."""
     if not math.isfinite(got) or got <= 0:
         return min(1.0, 2 * fraction)
     return min(1.0, fraction * min(2.0, max(0.5, asked / got)))
+
+
+def next_fraction_anchored(fraction: float, asked: float, got: float) -> float:
+    """The limit to try next on the line through the measurement and (1, 1): with no
+    competing load the device runs at full speed, and the load costs the device a share of
+    each busy slice beyond the slice itself (cache refills, switches), so the loss grows
+    with the load, not with the limit (measured on one host: 0.28 at 0.40, 0.49 at 0.57,
+    0.37 at 0.47, i.e. about ``1.2 f - 0.2``, where scaling by asked/got overshoots). Within
+    ×2 of ``fraction`` either way, at most 1; :func:`next_fraction` where the line is not
+    defined."""
+    if not math.isfinite(got) or got <= 0 or got >= 1.0 or fraction >= 1.0:
+        return next_fraction(fraction, asked, got)
+    target = 1.0 - (1.0 - asked) * (1.0 - fraction) / (1.0 - got)
+    return min(1.0, min(2 * fraction, max(0.5 * fraction, target)))
 
 
 def relative_error(m: Measurement, asked: float) -> float:
@@ -237,14 +164,16 @@ def calibrate(
     accept: float = ACCEPT,
     attempts: int = ATTEMPTS,
     max_correction: float = MAX_CORRECTION,
+    step: Callable[[float, float, float], float] = next_fraction,
 ) -> tuple[Measurement, list[Measurement]]:
     """Find the limit (fraction, period) whose measured speed is closest to ``asked``.
 
-    For each period in turn: start at ``asked``, measure, and scale by asked/measured until
-    within ``tolerance`` (at most ``attempts`` settings; a change beyond ``max_correction``
-    of ``asked`` moves on to the next period instead, except at the last one). Stop at the
-    first period whose best setting is within ``accept``; else return the best setting over
-    all periods. Returns that measurement and every measurement made, in order."""
+    For each period in turn: start at ``asked``, measure, and move the limit by ``step``
+    (fraction, asked, got) until within ``tolerance`` (at most ``attempts`` settings; a
+    change beyond ``max_correction`` of ``asked`` moves on to the next period instead,
+    except at the last one). Stop at the first period whose best setting is within
+    ``accept``; else return the best setting over all periods. Returns that measurement and
+    every measurement made, in order."""
     if not periods:
         raise ValueError("calibrate() needs at least one period")
     tried: list[Measurement] = []
@@ -257,7 +186,7 @@ def calibrate(
             here.append(m)
             if relative_error(m, asked) <= tolerance:
                 return m, tried + here
-            following = next_fraction(fraction, asked, m.got)
+            following = step(fraction, asked, m.got)
             if following == fraction:  # at the cap: a larger limit is not possible
                 break
             if not last and abs(following / asked - 1.0) > max_correction:
@@ -295,7 +224,10 @@ def check_device(
     done = False
     try:
         best, tried = calibrate(
-            lambda f, p: measure(probe, limiter, f, p, threads, cpus), asked, periods
+            lambda f, p: measure(probe, limiter, f, p, threads, cpus),
+            asked,
+            periods,
+            step=next_fraction_anchored if mechanism == LOAD else next_fraction,
         )
         limiter.settle(best.fraction, best.period_us)
         done = True
