@@ -50,21 +50,20 @@ class CgroupLimiter:
         self.on(fraction, period_us)
 
 
-class DutyLimiter:
-    """The duty-cycle fallback's helper process on the probe."""
+class _HelperLimiter:
+    """A helper process that holds the limit while it runs (stopped by :meth:`off`); the
+    device gets its own lasting one from the emulator, so nothing stays on the probe."""
 
-    SETTLE_S = 0.2
-    """Time for the helper to start before the kernel runs."""
+    def __init__(self) -> None:
+        self.helper: DutyCycle | Competitor | None = None
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.helper: DutyCycle | None = None
+    def _start(self, fraction: float, period_s: float) -> DutyCycle | Competitor:
+        raise NotImplementedError
 
     def on(self, fraction: float, period_us: int) -> int:
         self.off()
         if fraction < 1.0:
-            self.helper = DutyCycle(self.pid, fraction, period_us / 1e6)
-            time.sleep(self.SETTLE_S)
+            self.helper = self._start(fraction, period_us / 1e6)
         return period_us
 
     def off(self) -> None:
@@ -73,28 +72,31 @@ class DutyLimiter:
             self.helper = None
 
     def settle(self, fraction: float, period_us: int) -> None:
-        """The worker's own helper starts when it is attached; nothing stays on the probe."""
         self.off()
 
 
-class LoadLimiter:
+class DutyLimiter(_HelperLimiter):
+    """The duty-cycle fallback's helper process on the probe."""
+
+    SETTLE_S = 0.2
+    """Time for the helper to start before the kernel runs."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__()
+        self.pid = pid
+
+    def _start(self, fraction: float, period_s: float) -> DutyCycle:
+        helper = DutyCycle(self.pid, fraction, period_s)
+        time.sleep(self.SETTLE_S)
+        return helper
+
+
+class LoadLimiter(_HelperLimiter):
     """A :class:`Competitor` on the probe's CPUs while the limited kernel runs."""
 
     def __init__(self, cpus: Sequence[int]) -> None:
+        super().__init__()
         self.cpus = tuple(cpus)
-        self.load: Competitor | None = None
 
-    def on(self, fraction: float, period_us: int) -> int:
-        self.off()
-        if fraction < 1.0:
-            self.load = Competitor(self.cpus, fraction, period_us / 1e6)
-        return period_us
-
-    def off(self) -> None:
-        if self.load is not None:
-            self.load.stop()
-            self.load = None
-
-    def settle(self, fraction: float, period_us: int) -> None:
-        """The emulator starts the lasting load after the check; nothing stays on."""
-        self.off()
+    def _start(self, fraction: float, period_s: float) -> Competitor:
+        return Competitor(self.cpus, fraction, period_s)

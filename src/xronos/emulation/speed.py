@@ -148,7 +148,7 @@ def next_fraction_anchored(fraction: float, asked: float, got: float) -> float:
     if not math.isfinite(got) or got <= 0 or got >= 1.0 or fraction >= 1.0:
         return next_fraction(fraction, asked, got)
     target = 1.0 - (1.0 - asked) * (1.0 - fraction) / (1.0 - got)
-    return min(1.0, min(2 * fraction, max(0.5 * fraction, target)))
+    return min(1.0, 2 * fraction, max(0.5 * fraction, target))
 
 
 def relative_error(m: Measurement, asked: float) -> float:
