@@ -88,6 +88,13 @@ def test_bench_smoke(tmp_path: Path) -> None:
     # been seen to move it either way (e.g. 7 : 9).
     for seg in ("mlp", "vocab"):
         assert plan[seg][1] < plan[seg][0], seg
+    # the calibration rounds that made the plan: each covers the model, both devices timed
+    assert plan["calibration"], "xronos's plan was calibrated"
+    for rnd in plan["calibration"]:
+        for seg in ("attn", "mlp", "vocab"):
+            assert sum(rnd["units"][seg]) == sum(plan[seg]), seg
+        assert len(rnd["measured_s"]) == 2
+        assert all(m["mlp"] > 0 for m in rnd["measured_s"])
     assert strategies["single"]["speedup_vs_single"] == pytest.approx(1.0)
     assert solo["fast"] == pytest.approx(strategies["single"]["step_time_s"])
     ref = strategies["single"]["losses"]

@@ -179,3 +179,15 @@ def test_a_device_the_profile_leaves_out_of_a_segment_is_probed_with_a_unit() ->
 
     assert probe_plan(first, refuse) is None
     assert probe_plan(Plan.single(CFG), plan_with) is None  # one device: nothing to probe
+
+
+def test_a_round_reports_the_units_it_ran_and_what_each_device_measured() -> None:
+    profiles = [_profile("a", 1.0), _profile("b", 0.5)]
+    plan = plan_tp(CFG, profiles)
+    measured = [
+        _true_times(p, dict.fromkeys(SEGMENTS, 1.0), plan, i) for i, p in enumerate(profiles)
+    ]
+    d = Round(plan, measured, 2.0).to_dict()
+    assert d["units"] == {s: list(plan.split(s)) for s in SEGMENTS}
+    assert d["measured_s"] == measured
+    assert d["weight"] == 2.0

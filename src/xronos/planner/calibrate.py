@@ -44,6 +44,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from xronos.errors import UserError
 from xronos.metrics.records import StepRecord
@@ -82,6 +83,15 @@ class Round:
     plan: Plan
     measured: list[dict[str, float]]
     weight: float = 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The round as a report shows it: the units each device held per segment, and the
+        seconds each device measured per segment."""
+        return {
+            "units": {seg: list(self.plan.split(seg)) for seg in SEGMENTS},
+            "measured_s": [dict(m) for m in self.measured],
+            "weight": self.weight,
+        }
 
 
 def fit(profiles: Sequence[DeviceProfile], rounds: Sequence[Round]) -> list[DeviceProfile]:

@@ -57,14 +57,15 @@ def plan_with_calibration(
     micro: list[Batch],
     *,
     rounds: int = 5,
-) -> tuple[Plan, list[DeviceProfile], LlamaForCausalLM]:
+) -> tuple[Plan, list[DeviceProfile], LlamaForCausalLM, list[Round]]:
     """Plan from ``profiles`` with ``plan_of`` (profiles, the fewest units per device and
     segment), then up to ``rounds`` times: build the plan's shard with ``build``, measure
     it for real, fit the profiles to every round so far and plan again — until the plan has
     settled (moved by at most a unit) twice in a row. Where the first plan leaves a device
     without units of a segment, the first round measures :func:`probe_plan`'s instead.
-    Returns the plan, the calibrated profiles and the model built for the plan. Every rank
-    gets the same result: measurements are shared."""
+    Returns the plan, the calibrated profiles, the model built for the plan and the rounds
+    (each round's plan and what every device measured). Every rank gets the same result:
+    measurements are shared."""
     plan = plan_of(profiles, {})
     if rounds > 0:  # (one device: no probe, and no rounds)
         plan = probe_plan(plan, lambda least: plan_of(profiles, least)) or plan
@@ -83,4 +84,4 @@ def plan_with_calibration(
         plan = new
         if calm == 2:  # twice in a row: one lucky round is not enough
             break
-    return plan, fitted, model
+    return plan, fitted, model, history

@@ -97,10 +97,11 @@ def calibrated_tp(
             cfg, ps, mlp_chunk=shape.mlp_chunk, vocab_chunk=shape.vocab_chunk, min_units=least
         )
 
-    plan, calibrated, model = plan_with_calibration(
+    plan, calibrated, model, rounds = plan_with_calibration(
         lambda p: spec.source.build(p, group), plan_of, profiles, group, first[:1]
     )
     session = TPSession(spec.source, plan, group, spec.optim, Strategy.XRONOS, model=model)
+    session.calibration = [r.to_dict() for r in rounds]
     return session, calibrated
 
 

@@ -84,6 +84,10 @@ class TPSession:
         self.model = model if model is not None else source.build(plan, group)
         self.trainer = Trainer(self.model, source.cfg, plan, group, optim)
         self._twin: Trainer | None = None
+        self.calibration: list[dict[str, Any]] = []
+        """The calibration rounds that made ``plan`` (:meth:`Round.to_dict
+        <xronos.planner.calibrate.Round.to_dict>`), oldest first; empty when the plan was
+        not calibrated."""
 
     @property
     def steps_done(self) -> int:
@@ -146,7 +150,10 @@ class TPSession:
         return gaps
 
     def describe(self) -> dict[str, Any]:
-        return self.plan.to_dict()
+        """The plan, and the calibration rounds that made it where there were any."""
+        if not self.calibration:
+            return self.plan.to_dict()
+        return {**self.plan.to_dict(), "calibration": self.calibration}
 
     def close(self) -> None:
         self._twin = None
