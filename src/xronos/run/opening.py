@@ -100,8 +100,10 @@ def calibrated_tp(
     plan, calibrated, model, rounds = plan_with_calibration(
         lambda p: spec.source.build(p, group), plan_of, profiles, group, first[:1]
     )
-    session = TPSession(spec.source, plan, group, spec.optim, Strategy.XRONOS, model=model)
-    session.calibration = [r.to_dict() for r in rounds]
+    rounds_made = [r.to_dict() for r in rounds]
+    session = TPSession(
+        spec.source, plan, group, spec.optim, Strategy.XRONOS, model=model, calibration=rounds_made
+    )
     return session, calibrated
 
 

@@ -66,6 +66,9 @@ class TPSession:
         optim: AdamW and clipping settings.
         strategy: the name this session runs under.
         model: the shard already built for ``plan`` (calibration builds one), or None.
+        calibration: the calibration rounds that made ``plan`` (:meth:`Round.to_dict
+            <xronos.planner.calibrate.Round.to_dict>`), oldest first; empty when the plan
+            was not calibrated.
     """
 
     max_events = MAX_EVENTS
@@ -78,16 +81,14 @@ class TPSession:
         optim: OptimConfig,
         strategy: Strategy,
         model: LlamaForCausalLM | None = None,
+        calibration: Sequence[dict[str, Any]] = (),
     ) -> None:
         self.source, self.plan, self.group, self.optim = source, plan, group, optim
         self.strategy = strategy
         self.model = model if model is not None else source.build(plan, group)
         self.trainer = Trainer(self.model, source.cfg, plan, group, optim)
         self._twin: Trainer | None = None
-        self.calibration: list[dict[str, Any]] = []
-        """The calibration rounds that made ``plan`` (:meth:`Round.to_dict
-        <xronos.planner.calibrate.Round.to_dict>`), oldest first; empty when the plan was
-        not calibrated."""
+        self.calibration = list(calibration)
 
     @property
     def steps_done(self) -> int:
