@@ -18,9 +18,11 @@ from tests.dist import product
 from tests.dist.world import WorkerContext, run_world
 from xronos.planner import SEGMENTS
 from xronos.planner.comm import LinkModel, tp_traffic
+from xronos.planner.plan import Plan
 from xronos.planner.profile import CostCurve, DeviceProfile
-from xronos.run.trials import SHORTLIST
+from xronos.run.refine import Refinement
 from xronos.run.sessions import Profiles, ProfileSource, open_session
+from xronos.run.trials import SHORTLIST
 from xronos.run.worker import FinetuneJob, finetune_worker
 from xronos.train.session import Strategy
 
@@ -96,10 +98,13 @@ def _auto_with_trials(ctx: WorkerContext, job: FinetuneJob) -> dict[str, Any]:
     profiles = Profiles(ctx, spec.shape, job.profiles)
     opened = open_session(spec, ctx, ctx.group, profiles.get, job.data.peek())
     assert opened.ran is not None and opened.choice is not None
+    plan = getattr(opened.session, "plan", None)
     out = {
         "trials": opened.trials,
+        "refined": opened.refined,
         "ran": opened.ran.to_dict(),
         "has_session": opened.session is not None,
+        "plan_mlp": list(plan.split("mlp")) if isinstance(plan, Plan) else None,
     }
     if opened.session is not None:
         opened.session.close()
@@ -153,3 +158,60 @@ def test_auto_runs_a_hybrid_when_it_is_fastest_and_trains_exactly() -> None:
     assert ref.state is not None and results[0].state is not None
     for name, want in ref.state.items():
         torch.testing.assert_close(results[0].state[name], want, atol=PARAM_ATOL, rtol=1e-4)
+
+
+def _auto_with_a_refinement(ctx: WorkerContext, job: FinetuneJob) -> dict[str, Any]:
+    """:func:`_auto_with_trials` where the re-plan from the trial steps always moves one
+    MLP unit to the other device (whatever the steps say: which plan wins is then up to the
+    race); it checks that the steps it is given are whole steps of both members."""
+    from xronos.run import trials
+
+    seen: list[int] = []
+
+    def move_one(
+        key: str,
+        cfg: Any,
+        profiles: Any,
+        plan: Plan,
+        steps: Any,
+        chunks: tuple[int, int],
+    ) -> Refinement:
+        assert key == "xronos:0,1" and len(profiles) == 2
+        assert steps and all(len(step) == 2 for step in steps), steps
+        assert all(set(SEGMENTS) <= set(t) and t["mlp"] > 0 for step in steps for t in step)
+        seen.append(len(steps))
+        mlp = list(plan.split("mlp"))
+        give = 0 if mlp[0] > mlp[1] else 1
+        mlp[give], mlp[1 - give] = mlp[give] - 1, mlp[1 - give] + 1
+        after = Plan.from_dict({**plan.to_dict(), "mlp": mlp, "predicted_s": {}})
+        return Refinement(key, plan, after, 1.0, 0.9)
+
+    trials.refine = move_one  # type: ignore[assignment]
+    out = _auto_with_trials(ctx, job)
+    out["seen"] = seen
+    return out
+
+
+@pytest.mark.slow
+def test_auto_tries_the_plan_its_trial_steps_call_for_and_keeps_the_faster() -> None:
+    """A heterogeneous TP candidate re-planned from its own trial steps is opened beside
+    the others and raced again; both of its plans are measured, the faster one stands for
+    the candidate (its trial time is that plan's), and every rank reports the same."""
+    profiles = (_profile("rank0", 1.0, 1.25e9), _profile("rank1", 0.5, 1.25e9))
+    job = product.job(CFG, lora=None, steps=1, strategy=Strategy.AUTO)
+    job = dataclasses.replace(
+        job, profiles=ProfileSource(memory_caps=(None,) * 2, keys=("",) * 2, cached=profiles)
+    )
+    got = run_world(_auto_with_a_refinement, 2, job)
+    assert all(g["seen"] == [job.session.trial_steps] for g in got)  # every timed step
+    refined = got[0]["refined"]
+    assert len(refined) == 1 and all(g["refined"] == refined for g in got)
+    r = refined[0]
+    assert r["candidate"] == "xronos:0,1"
+    assert r["measured_before_s"] > 0 and r["measured_after_s"] > 0
+    assert sum(r["after"]["mlp"]) == sum(r["before"]["mlp"]) and r["after"] != r["before"]
+    kept = min(("before", "after"), key=lambda k: r[f"measured_{k}_s"])
+    assert r["kept"] == kept
+    assert got[0]["trials"]["xronos:0,1"] == r[f"measured_{kept}_s"]
+    if got[0]["ran"]["strategy"] == "xronos":  # it runs the plan kept
+        assert all(g["plan_mlp"] == r[kept]["mlp"] for g in got)

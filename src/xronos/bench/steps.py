@@ -132,6 +132,7 @@ class Run:
                 "chosen_strategy": opened.ran.strategy,
                 "predicted_best": opened.choice.chosen.strategy,
                 "trials": opened.trials,
+                "refined": opened.refined,
                 "seconds": opened.seconds,
             }
         return opened.session if opened else None

@@ -160,7 +160,7 @@ class RunMonitor:
             atomic_write_text(self.run_dir / "plan.json", pplan.to_json())
             self._resumed(ev["strategy"], list(pplan.devices))
         elif kind == "auto":
-            self.say(auto_table(ev["choice"], ev["ran"], ev.get("trials", {})))
+            self.say(auto_table(ev["choice"], ev["ran"], ev.get("trials", {}), ev.get("refined")))
             atomic_write_text(self.run_dir / "auto.json", json.dumps(ev, indent=2))
         elif kind == "step":
             self._step(ev)
@@ -353,10 +353,13 @@ def _event_text(e: dict[str, Any]) -> str:
 
 
 def auto_table(
-    choice: dict[str, Any], ran: dict[str, Any], trials: dict[str, float] | None = None
+    choice: dict[str, Any],
+    ran: dict[str, Any],
+    trials: dict[str, float] | None = None,
+    refined: list[dict[str, Any]] | None = None,
 ) -> str:
     """What ``auto`` predicted for every candidate, fastest first, what it measured of the
-    best few, and what runs."""
+    best few (and of any plan re-planned from its trial steps), and what runs."""
     names = choice["devices"]
     rows = sorted(
         choice["candidates"],
@@ -371,6 +374,16 @@ def auto_table(
         tried = (trials or {}).get(key)
         got = f"  measured {tried:.3f} s" if tried is not None else ""
         lines.append(f" {mark} {c['strategy']:<8} [{who}]  {pred}{got}  {c['why']}")
+    for r in refined or ():
+        moved = ", ".join(
+            f"{seg} {':'.join(map(str, r['before'][seg]))} -> {':'.join(map(str, after))}"
+            for seg, after in r["after"].items()
+            if after != r["before"][seg]
+        )
+        lines.append(
+            f"   {r['candidate']} re-planned from its trial steps ({moved}): measured "
+            f"{r['measured_before_s']:.3f} s -> {r['measured_after_s']:.3f} s, kept {r['kept']}"
+        )
     lines.append(f"auto runs {ran['strategy']} on [{', '.join(names[r] for r in ran['devices'])}]")
     return "\n".join(lines)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -84,6 +85,9 @@ class Opened:
     """For ``auto``: the candidate that runs (the fastest measured of the shortlist)."""
     trials: dict[str, float] = field(default_factory=dict)
     """For ``auto``: measured seconds per step of each shortlisted candidate."""
+    refined: list[dict[str, Any]] = field(default_factory=list)
+    """For ``auto``: heterogeneous tensor-parallel plans re-planned from their own trial
+    steps and tried too (:meth:`xronos.run.refine.Refinement.to_dict`)."""
 
 
 def calibrated_tp(

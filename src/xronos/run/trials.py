@@ -1,24 +1,30 @@
 """``auto`` on the devices: predict every candidate, measure the best few, open the
-fastest measured one."""
+fastest measured one. A heterogeneous tensor-parallel candidate whose trial steps call for
+another plan gets that plan tried too (:mod:`xronos.run.refine`)."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
+from xronos.metrics.recorder import SpanRecorder, use_recorder
 from xronos.planner import PipelinePlan
 from xronos.planner.auto import Candidate, plan_auto
+from xronos.planner.calibrate import segment_times
 from xronos.planner.hybrid import NO_HYBRID, HybridPlan
 from xronos.planner.memory import tp_need
 from xronos.planner.plan import Plan, segment_units
 from xronos.planner.profile import DeviceProfile, on_the_wire
 from xronos.run.opening import Opened, SessionSpec, open_candidate, wire_bytes
+from xronos.run.refine import Refinement, StepTimes, refine
 from xronos.train.batches import Batch
-from xronos.train.session import Session
+from xronos.train.session import Session, Strategy
+from xronos.train.tp import TPSession
 
 SHORTLIST = 3
 """How many of the best-predicted candidates ``auto`` measures before it chooses."""
@@ -97,10 +103,11 @@ def open_auto(
     shortlist = ranked[:SHORTLIST] if only is None else ranked[:1]
     trials: dict[str, float] = {}
     tried: dict[str, Tried] = {}
+    refined: list[Refinement] = []
     if len(shortlist) > 1 and spec.trial_steps > 0:
         totals = segment_units(cfg, shape.mlp_chunk, shape.vocab_chunk)
         run = _interleaved if room_for_all(measured, shortlist, totals) else _one_by_one
-        trials, tried = run(spec, ctx, shortlist, measured, first)
+        trials, tried, refined = run(spec, ctx, shortlist, measured, first)
     best = pick(shortlist, trials)
     plan, calibrated = tried.get(_key(best), (None, []))
     session, fresh = open_candidate(spec, ctx, best, measured, first, plan)
@@ -112,6 +119,7 @@ def open_auto(
         choice=choice,
         ran=best,
         trials=trials,
+        refined=[r.to_dict() for r in refined],
     )
 
 
@@ -134,20 +142,35 @@ def _one_by_one(
     shortlist: Sequence[Candidate],
     measured: list[DeviceProfile],
     first: list[Batch],
-) -> tuple[dict[str, float], dict[str, Tried]]:
+) -> tuple[dict[str, float], dict[str, Tried], list[Refinement]]:
     """Each candidate opened, timed and closed before the next is built (memory allows only
-    one at a time): an untimed step, then ``spec.trial_steps`` timed ones."""
+    one at a time): an untimed step, then ``spec.trial_steps`` timed ones; a refined plan
+    (:mod:`xronos.run.refine`) right after the plan it refines, the same way."""
     trials: dict[str, float] = {}
     tried: dict[str, Tried] = {}
-    for c in shortlist:
-        session, calibrated = open_candidate(spec, ctx, c, measured, first, None)
-        times = [_timed(session, first, ctx) for _ in range(1 + spec.trial_steps)]
-        trials[_key(c)] = statistics.median(times[1:])
-        tried[_key(c)] = (getattr(session, "plan", None), calibrated)
+    refined: list[Refinement] = []
+
+    def trial(c: Candidate, plan: Plan | None) -> tuple[float, list[StepTimes], Tried]:
+        session, calibrated = open_candidate(spec, ctx, c, measured, first, plan)
+        timed = [_timed(session, first, ctx) for _ in range(1 + spec.trial_steps)][1:]
+        ran = _plan_of(session, ctx)
         if session is not None:
-            session.close()
-        session = None  # a trial's memory is gone before the next one is built
-    return trials, tried
+            session.close()  # a trial's memory is gone before the next one is built
+        seen = [t for _, t in timed if t is not None]
+        return statistics.median(t for t, _ in timed), seen, (ran, calibrated)
+
+    for c in shortlist:
+        key = _key(c)
+        trials[key], seen, tried[key] = trial(c, None)
+        r = _refinement(spec, c, measured, tried[key][0], seen)
+        if r is None:
+            continue
+        after_s, _, _ = trial(c, r.after)
+        r = replace(r, measured_before_s=trials[key], measured_after_s=after_s)
+        refined.append(r)
+        if r.kept is r.after:
+            trials[key], tried[key] = after_s, (r.after, tried[key][1])
+    return trials, tried, refined
 
 
 def _interleaved(
@@ -156,31 +179,78 @@ def _interleaved(
     shortlist: Sequence[Candidate],
     measured: list[DeviceProfile],
     first: list[Batch],
-) -> tuple[dict[str, float], dict[str, Tried]]:
-    """Every candidate open at once, their steps taken in turn (the order rotating each
-    round, the first round untimed): a host whose speed drifts over seconds slows them
-    alike, where one after the other it would favour whichever ran in a quiet moment.
-    While the two best are within :data:`CLOSE` of each other, more rounds follow, up to
-    :data:`MORE_ROUNDS` times ``spec.trial_steps`` (every rank sees the same times, the
-    slowest rank's, so all decide alike)."""
+) -> tuple[dict[str, float], dict[str, Tried], list[Refinement]]:
+    """Every candidate open at once, their steps taken in turn (:func:`_race`). Where a
+    heterogeneous tensor-parallel candidate's trial steps call for another plan
+    (:mod:`xronos.run.refine`) and the devices' memory holds it beside the others, that
+    plan is opened too and every candidate races again; the faster of the candidate's two
+    plans stands for it."""
     opened = [open_candidate(spec, ctx, c, measured, first, None) for c in shortlist]
-    times: list[list[float]] = [[] for _ in shortlist]
-    k = 0
-    while k <= spec.trial_steps or (k <= MORE_ROUNDS * spec.trial_steps and _close(times)):
-        for i in _rotated(len(shortlist), k):
-            t = _timed(opened[i][0], first, ctx)
-            if k:
-                times[i].append(t)
-        k += 1
+    sessions = [s for s, _ in opened]
+    times, seen = _race(spec, ctx, sessions, first)
+    plans = [_plan_of(s, ctx) for s in sessions]
+    found = [
+        (i, r)
+        for i, c in enumerate(shortlist)
+        if (r := _refinement(spec, c, measured, plans[i], seen[i])) is not None
+    ]
+    totals = segment_units(spec.source.cfg, spec.shape.mlp_chunk, spec.shape.vocab_chunk)
+    more = [*shortlist, *(shortlist[i] for i, _ in found)]
+    refined: list[Refinement] = []
+    if found and room_for_all(measured, more, totals):
+        extra = [
+            open_candidate(spec, ctx, shortlist[i], measured, first, r.after) for i, r in found
+        ]
+        again, _ = _race(spec, ctx, [*sessions, *(s for s, _ in extra)], first)
+        times = again[: len(shortlist)]
+        for (i, r), after_s in zip(found, again[len(shortlist) :], strict=True):
+            r = replace(
+                r,
+                measured_before_s=statistics.median(times[i]),
+                measured_after_s=statistics.median(after_s),
+            )
+            refined.append(r)
+            if r.kept is r.after:
+                times[i], plans[i] = after_s, r.after
+        for session, _ in extra:
+            if session is not None:
+                session.close()
     trials = {_key(c): statistics.median(ts) for c, ts in zip(shortlist, times, strict=True)}
     tried = {
-        _key(c): (getattr(session, "plan", None), calibrated)
-        for c, (session, calibrated) in zip(shortlist, opened, strict=True)
+        _key(c): (plan, calibrated)
+        for c, plan, (_, calibrated) in zip(shortlist, plans, opened, strict=True)
     }
     for session, _ in opened:
         if session is not None:
             session.close()
-    return trials, tried
+    return trials, tried, refined
+
+
+def _race(
+    spec: SessionSpec,
+    ctx: WorkerContext,
+    sessions: Sequence[Session | None],
+    first: list[Batch],
+) -> tuple[list[list[float]], list[list[StepTimes]]]:
+    """Steps of every session in turn (the order rotating each round, the first round
+    untimed): a host whose speed drifts over seconds slows them alike, where one after the
+    other it would favour whichever ran in a quiet moment. While the two best are within
+    :data:`CLOSE` of each other, more rounds follow, up to :data:`MORE_ROUNDS` times
+    ``spec.trial_steps`` (every rank sees the same times, the slowest rank's, so all decide
+    alike). Returns each session's step times and, for a heterogeneous tensor-parallel
+    one, what each of its timed steps measured per segment."""
+    times: list[list[float]] = [[] for _ in sessions]
+    seen: list[list[StepTimes]] = [[] for _ in sessions]
+    k = 0
+    while k <= spec.trial_steps or (k <= MORE_ROUNDS * spec.trial_steps and _close(times)):
+        for i in _rotated(len(sessions), k):
+            t, segments = _timed(sessions[i], first, ctx)
+            if k:
+                times[i].append(t)
+                if segments is not None:
+                    seen[i].append(segments)
+        k += 1
+    return times, seen
 
 
 def _close(times: Sequence[Sequence[float]]) -> bool:
@@ -206,11 +276,61 @@ def room_for_all(
     return True
 
 
-def _timed(session: Session | None, micro: list[Batch], ctx: WorkerContext) -> float:
+def _timed(
+    session: Session | None, micro: list[Batch], ctx: WorkerContext
+) -> tuple[float, StepTimes | None]:
     """The slowest rank's time for one step of ``session``; every rank of the world takes
-    part (those without a session wait)."""
+    part (those without a session wait). For a heterogeneous tensor-parallel session also
+    every member's compute per segment in that step (its group's rank order), else None."""
+    mine: dict[str, float] | None = None
     ctx.group.barrier()
     start = time.perf_counter()
-    if session is not None:
-        session.step(micro)
-    return max(ctx.group.gather_object(time.perf_counter() - start))
+    if _refinable(session):
+        assert isinstance(session, TPSession)
+        rec = SpanRecorder(session.group.rank, enabled=True)
+        rec.start_step(session.steps_done)
+        with use_recorder(rec):
+            session.step(micro)
+        elapsed = time.perf_counter() - start
+        record = rec.end_step()
+        mine = segment_times(record) if record is not None else None
+    else:
+        if session is not None:
+            session.step(micro)
+        elapsed = time.perf_counter() - start
+    got = ctx.group.gather_object((elapsed, mine))
+    members = [m for _, m in got if m is not None]
+    return max(t for t, _ in got), members or None
+
+
+def _refinable(session: Session | None) -> bool:
+    """Whether ``session`` runs a heterogeneous tensor-parallel plan over several devices."""
+    return (
+        isinstance(session, TPSession)
+        and session.strategy is Strategy.XRONOS
+        and session.group.size > 1
+    )
+
+
+def _plan_of(session: Session | None, ctx: WorkerContext) -> Plan | None:
+    """The heterogeneous tensor-parallel plan ``session`` runs, on every rank of the world
+    (collective); None for any other session."""
+    mine = session.plan.to_dict() if _refinable(session) else None  # type: ignore[union-attr]
+    found = next((p for p in ctx.group.gather_object(mine) if p is not None), None)
+    return Plan.from_dict(found) if found is not None else None
+
+
+def _refinement(
+    spec: SessionSpec,
+    c: Candidate,
+    measured: list[DeviceProfile],
+    plan: Plan | None,
+    seen: list[StepTimes],
+) -> Refinement | None:
+    """:func:`~xronos.run.refine.refine` for candidate ``c`` (None unless it ran a
+    heterogeneous tensor-parallel ``plan`` whose timed steps were seen)."""
+    if plan is None or not seen or c.strategy != "xronos":
+        return None
+    profiles = [measured[r] for r in sorted(c.devices)]
+    chunks = (spec.shape.mlp_chunk, spec.shape.vocab_chunk)
+    return refine(_key(c), spec.source.cfg, profiles, plan, seen, chunks)

@@ -115,6 +115,7 @@ def _emit_plan(ctx: WorkerContext, opened: Opened, profiles: Profiles) -> None:
                 "choice": opened.choice.to_dict(),
                 "ran": opened.ran.to_dict(),
                 "trials": opened.trials,
+                "refined": opened.refined,
             }
         )
     kind = "pipeline" if s.strategy.is_pipeline else "plan"
