@@ -40,7 +40,7 @@ import statistics
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,17 +186,33 @@ def propose(
         why, relative = "balance", watch.balance_check()
     if relative is None:
         return None
-    fitted = fit(profiles, list(watch.rounds))
-    new = plan_tp(cfg, fitted, mlp_chunk=chunks[0], vocab_chunk=chunks[1])
-    if all(new.split(s) == plan.split(s) for s in SEGMENTS):
+    found = replan(profiles, list(watch.rounds), plan, cfg, chunks)
+    if found is None:
         return None
-    now_s = predict(plan, fitted)["step_time_s"]
-    then_s = predict(new, fitted)["step_time_s"]
+    new, now_s, then_s = found
     if (now_s - then_s) * steps_left <= 2.0 * move_s:
         return None
     if why == "balance" and now_s - then_s < BALANCE_GAIN * now_s:
         return None
     return Proposal(new, relative, now_s, then_s, why)
+
+
+def replan(
+    profiles: Sequence[DeviceProfile],
+    rounds: Sequence[Round],
+    plan: Plan,
+    cfg: ModelConfig,
+    chunks: tuple[int, int],
+) -> tuple[Plan, float, float] | None:
+    """The plan that ``rounds`` (real steps of ``plan``) call for, with the predicted step
+    of ``plan`` and of it at the speeds those steps show (``profiles`` fitted to them);
+    None when it is ``plan``."""
+    fitted = fit(list(profiles), list(rounds))
+    new = plan_tp(cfg, fitted, mlp_chunk=chunks[0], vocab_chunk=chunks[1])
+    if all(new.split(s) == plan.split(s) for s in SEGMENTS):
+        return None
+    now_s, then_s = (float(predict(p, fitted)["step_time_s"]) for p in (plan, new))
+    return new, now_s, then_s
 
 
 def step_times(records: list[StepRecord]) -> list[dict[str, float]]:

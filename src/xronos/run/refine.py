@@ -8,8 +8,9 @@ passes can leave the plan out of balance (measured on ``ci-2dev`` at 1 Gbit/s: q
 plan no faster than the fast device alone, and trained alone). The trial steps are whole
 steps of that plan, update included, timed per segment like calibration's passes
 (:func:`~xronos.planner.calibrate.segment_times`). Fitting the profiles to them
-(calibration's own :func:`~xronos.planner.calibrate.fit`, as the live balance check of
-:mod:`xronos.run.rebalance` does) and planning again gives the plan those steps call for.
+(calibration's own :func:`~xronos.planner.calibrate.fit`, through the live balance check's
+:func:`~xronos.run.rebalance.replan`) and planning again gives the plan those steps call
+for.
 Where it differs and is predicted at least :data:`~xronos.run.rebalance.BALANCE_GAIN`
 faster, :mod:`xronos.run.trials` tries it too, against the same contenders, and the faster
 measured of the two plans stands for the candidate. Nothing moves: the trials' sessions
@@ -23,12 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from xronos.config import ModelConfig
-from xronos.planner import plan_tp
-from xronos.planner.calibrate import Round, fit
+from xronos.planner.calibrate import Round
 from xronos.planner.plan import SEGMENTS, Plan
 from xronos.planner.profile import DeviceProfile
-from xronos.planner.solve import predict
-from xronos.run.rebalance import BALANCE_GAIN
+from xronos.run.rebalance import BALANCE_GAIN, replan
 
 StepTimes = list[dict[str, float]]
 """One step: every member's compute seconds per segment, in the group's rank order."""
@@ -92,12 +91,10 @@ def refine(
     """
     if not steps or plan.world_size < 2:
         return None
-    fitted = fit(list(profiles), [Round(plan, list(times)) for times in steps])
-    new = plan_tp(cfg, fitted, mlp_chunk=chunks[0], vocab_chunk=chunks[1])
-    if all(new.split(s) == plan.split(s) for s in SEGMENTS):
+    found = replan(profiles, [Round(plan, list(times)) for times in steps], plan, cfg, chunks)
+    if found is None:
         return None
-    now_s = float(predict(plan, fitted)["step_time_s"])
-    then_s = float(predict(new, fitted)["step_time_s"])
+    new, now_s, then_s = found
     if now_s - then_s < BALANCE_GAIN * now_s:
         return None
     return Refinement(key, plan, new, now_s, then_s)

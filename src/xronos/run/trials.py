@@ -8,6 +8,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TypeGuard
 
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
@@ -286,7 +287,6 @@ def _timed(
     ctx.group.barrier()
     start = time.perf_counter()
     if _refinable(session):
-        assert isinstance(session, TPSession)
         rec = SpanRecorder(session.group.rank, enabled=True)
         rec.start_step(session.steps_done)
         with use_recorder(rec):
@@ -303,7 +303,7 @@ def _timed(
     return max(t for t, _ in got), members or None
 
 
-def _refinable(session: Session | None) -> bool:
+def _refinable(session: Session | None) -> TypeGuard[TPSession]:
     """Whether ``session`` runs a heterogeneous tensor-parallel plan over several devices."""
     return (
         isinstance(session, TPSession)
@@ -315,7 +315,7 @@ def _refinable(session: Session | None) -> bool:
 def _plan_of(session: Session | None, ctx: WorkerContext) -> Plan | None:
     """The heterogeneous tensor-parallel plan ``session`` runs, on every rank of the world
     (collective); None for any other session."""
-    mine = session.plan.to_dict() if _refinable(session) else None  # type: ignore[union-attr]
+    mine = session.plan.to_dict() if _refinable(session) else None
     found = next((p for p in ctx.group.gather_object(mine) if p is not None), None)
     return Plan.from_dict(found) if found is not None else None
 
