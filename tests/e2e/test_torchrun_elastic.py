@@ -58,84 +58,140 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-@pytest.mark.slow
-def test_a_lost_device_restarts_the_job_on_the_others_and_it_comes_back(tmp_path: Path) -> None:
-    hosts = [tmp_path / h for h in ("hub", "pi", "nuc")]
-    for h in hosts:
-        h.mkdir()
-    hub = hosts[0]
-    make_checkpoint(hub / "model", vocab=96, hidden=64, layers=2, heads=8, kv_heads=4)
-    save_word_tokenizer(hub / "model", 96)
-    _data(hub / "home.jsonl")
-    port = free_port()
-    env = os.environ | {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "OMP_NUM_THREADS": "1"}
-    # a late agent is admitted only when the workers do not share the agent's store
-    env |= {"XRONOS_TOKEN": TOKEN, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    options = [
-        *("--model", "model", "--data", "home.jsonl", "--out", "run", "--steps", str(STEPS)),
-        *("--batch-size", "8", "--seq-len", "16", "--eval-size", "0", "--save-every", "20"),
-        *("--strategy", "tp-even", "--join-timeout", "60"),
-    ]
-    procs: list[tuple[subprocess.Popen[bytes], IO[str]]] = []
-    hub_log = tmp_path / "hub.log"
+class _Job:
+    """torchrun agents of one elastic job (``--nnodes 2:3 --max-restarts 1``), each host a
+    directory of its own under ``root``; the hub holds the model, the data and the run."""
 
-    def start(h: Path, log_name: str) -> None:
+    def __init__(self, root: Path) -> None:
+        self.hosts = {h: root / h for h in ("hub", "pi", "nuc")}
+        for h in self.hosts.values():
+            h.mkdir()
+        self.hub = self.hosts["hub"]
+        make_checkpoint(self.hub / "model", vocab=96, hidden=64, layers=2, heads=8, kv_heads=4)
+        save_word_tokenizer(self.hub / "model", 96)
+        _data(self.hub / "home.jsonl")
+        self.root, self.port = root, free_port()
+        self.procs: list[tuple[subprocess.Popen[bytes], IO[str]]] = []
+        self.hub_log = root / "hub.log"
+
+    def start(self, host: str, log_name: str) -> subprocess.Popen[bytes]:
+        env = os.environ | {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "OMP_NUM_THREADS": "1"}
+        # a late agent is admitted only when the workers do not share the agent's store
+        env |= {"XRONOS_TOKEN": TOKEN, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        options = [
+            *("--model", "model", "--data", "home.jsonl", "--out", "run"),
+            *("--steps", str(STEPS), "--batch-size", "8", "--seq-len", "16"),
+            *("--eval-size", "0", "--save-every", "20", "--strategy", "tp-even"),
+            *("--join-timeout", "60"),
+        ]
         cmd = [
             *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3"),
             *("--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d"),
-            *("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "home"),
+            *("--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "home"),
             *("--rdzv-conf", RDZV_CONF),
-            *("-m", "xronos", "worker", *(options if h == hub else ["--join-timeout", "60"])),
+            *("-m", "xronos", "worker"),
+            *(options if host == "hub" else ["--join-timeout", "60"]),
         ]
-        log = open(tmp_path / log_name, "w")  # noqa: SIM115 -- closed below
-        named = env | {"XRONOS_DEVICE": h.name}
-        p = subprocess.Popen(cmd, cwd=h, env=named, stdout=log, stderr=log, start_new_session=True)
-        procs.append((p, log))
+        log = open(self.root / log_name, "w")  # noqa: SIM115 -- closed by close()
+        p = subprocess.Popen(
+            cmd,
+            cwd=self.hosts[host],
+            env=env | {"XRONOS_DEVICE": host},
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+        self.procs.append((p, log))
+        return p
 
-    def wait_for(done: Callable[[], bool]) -> None:
+    def wait_for(self, done: Callable[[], bool]) -> None:
         t0 = time.monotonic()
         while not done():
-            assert time.monotonic() - t0 < 180, hub_log.read_text()[-3000:]
-            assert procs[0][0].poll() is None, hub_log.read_text()[-3000:]
+            assert time.monotonic() - t0 < 180, self.hub_log.read_text()[-3000:]
+            assert self.procs[0][0].poll() is None, self.hub_log.read_text()[-3000:]
             time.sleep(0.2)
 
-    try:
-        start(hub, "hub.log")
-        time.sleep(3)  # the hub's agent hosts the rendezvous store, as on a real network
-        start(hosts[1], "pi.log")
-        start(hosts[2], "nuc.log")
-        # the first checkpoint: losing the nuc any later only adds steps on three
-        wait_for(lambda: (hub / "run/checkpoints/step-00000020/COMPLETE").is_file())
-        nuc = procs[2][0].pid
-        for pid in [*_children(nuc), nuc]:  # the nuc is gone, agent and worker
-            os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: "coordinating 2 devices" in hub_log.read_text())
-        start(hosts[2], "nuc-again.log")  # and comes back
-        for p, _ in [procs[0], procs[1], procs[3]]:
-            assert p.wait(timeout=240) == 0, hub_log.read_text()[-4000:]
-    finally:
-        for p, log in procs:
+    def first_checkpoint(self) -> None:
+        self.wait_for(lambda: (self.hub / "run/checkpoints/step-00000020/COMPLETE").is_file())
+
+    def close(self) -> None:
+        for p, log in self.procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             log.close()
-    text = hub_log.read_text()
-    said = re.findall(r"coordinating (\d) devices", text)
+
+    def check_the_run(self, events_seen: list[tuple[str, object]]) -> list[dict]:
+        """What every elastic run must show: the hub resumed from a checkpoint at every
+        restart (never started over), the events of who left and came, every step up to
+        the last trained, and nothing written on the other hosts. The events, returned."""
+        text = self.hub_log.read_text()
+        restarts = len(re.findall(r"coordinating \d devices", text)) - 1
+        assert len(re.findall(r"resuming from run/checkpoints/step-", text)) == restarts, text
+        assert (self.hub / "run" / "checkpoints" / f"step-{STEPS:08d}" / "COMPLETE").is_file()
+        # the coordinator logs who left and who came back, as `xronos finetune` does
+        events = [r for r in _rows(self.hub / "run") if "event" in r]
+        got = [(e["event"], e.get("device") or sorted(e["devices"])) for e in events]
+        assert got == events_seen, events
+        # every step up to the last was trained (some twice, after each restart)
+        steps = {r["step"] for r in _rows(self.hub / "run") if "loss" in r}
+        assert steps == set(range(1, STEPS + 1))
+        for h in ("pi", "nuc"):
+            assert [p.name for p in self.hosts[h].iterdir()] == []
+        return events
+
+
+@pytest.mark.slow
+def test_a_lost_device_restarts_the_job_on_the_others_and_it_comes_back(tmp_path: Path) -> None:
+    job = _Job(tmp_path)
+    try:
+        job.start("hub", "hub.log")
+        time.sleep(3)  # the hub's agent hosts the rendezvous store, as on a real network
+        job.start("pi", "pi.log")
+        nuc = job.start("nuc", "nuc.log")
+        # the first checkpoint: losing the nuc any later only adds steps on three
+        job.first_checkpoint()
+        for pid in [*_children(nuc.pid), nuc.pid]:  # the nuc is gone, agent and worker
+            os.kill(pid, signal.SIGKILL)
+        job.wait_for(lambda: "coordinating 2 devices" in job.hub_log.read_text())
+        job.start("nuc", "nuc-again.log")  # and comes back
+        for p, _ in [job.procs[0], job.procs[1], job.procs[3]]:
+            assert p.wait(timeout=240) == 0, job.hub_log.read_text()[-4000:]
+    finally:
+        job.close()
+    said = re.findall(r"coordinating (\d) devices", job.hub_log.read_text())
     assert said == ["3", "2", "3"], said  # all, the two that remained, all again
-    assert len(re.findall(r"resuming from run/checkpoints/step-", text)) == 2
-    assert (hub / "run" / "checkpoints" / f"step-{STEPS:08d}" / "COMPLETE").is_file()
-    # the coordinator logs who left and who came back, as `xronos finetune` does
-    events = [r for r in _rows(hub / "run") if "event" in r]
-    got = [(e["event"], e.get("device") or sorted(e["devices"])) for e in events]
-    assert got == [
-        ("device_lost", "nuc"),
-        ("resumed", ["hub", "pi"]),
-        ("device_joined", "nuc"),
-        ("resumed", ["hub", "nuc", "pi"]),
-    ], events
+    events = job.check_the_run(
+        [
+            ("device_lost", "nuc"),
+            ("resumed", ["hub", "pi"]),
+            ("device_joined", "nuc"),
+            ("resumed", ["hub", "nuc", "pi"]),
+        ]
+    )
     # on two from a checkpoint of the run (every 20 steps); on three from the checkpoint
     # the two wrote when torchrun stopped them to take the nuc in
     assert events[1]["step"] % 20 == 0 and events[2]["step"] == events[3]["step"]
-    # every step up to the last was trained (some twice, after each restart)
-    steps = {r["step"] for r in _rows(hub / "run") if "loss" in r}
-    assert steps == set(range(1, STEPS + 1))
-    assert [p.name for p in hosts[1].iterdir()] == [] and [p.name for p in hosts[2].iterdir()] == []
+
+
+@pytest.mark.slow
+def test_a_device_that_joins_a_running_job_continues_it(tmp_path: Path) -> None:
+    """No device fails: a third one starts while two train. torchrun stops the workers for
+    the new round without counting a restart (a membership change uses up none of
+    --max-restarts), so the workers see a restart count of 0, as at the job's start. The
+    coordinator must still continue the run it was on — from the checkpoint the two wrote
+    when stopped — and not start it over."""
+    job = _Job(tmp_path)
+    try:
+        job.start("hub", "hub.log")
+        time.sleep(3)
+        job.start("pi", "pi.log")
+        job.first_checkpoint()
+        job.start("nuc", "nuc.log")  # a device arrives: the job grows to three
+        for p, _ in job.procs:
+            assert p.wait(timeout=240) == 0, job.hub_log.read_text()[-4000:]
+    finally:
+        job.close()
+    said = re.findall(r"coordinating (\d) devices", job.hub_log.read_text())
+    assert said == ["2", "3"], said
+    events = job.check_the_run([("device_joined", "nuc"), ("resumed", ["hub", "nuc", "pi"])])
+    assert events[0]["step"] >= 20 and events[0]["step"] == events[1]["step"]

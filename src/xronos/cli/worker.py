@@ -136,12 +136,18 @@ def _first_line(e: BaseException) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from xronos.checkpoint import latest_checkpoint
+    from xronos.checkpoint import latest_checkpoint, read_checkpoint_meta
     from xronos.comm.heap import keep_freed_memory
     from xronos.comm.launch import WorkerContext
     from xronos.comm.mappings import TPGroup
     from xronos.emulation import ClusterSpec, DeviceSpec
     from xronos.run.coordinator import share_job
+    from xronos.run.membership import (
+        record_agent,
+        restart_events,
+        restarted_by_agent,
+        torchrun_agent,
+    )
     from xronos.run.monitor import RunMonitor
     from xronos.run.prepare import accuracy, prepare_run, write_config
     from xronos.run.worker import finetune_worker, request_stop
@@ -157,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     local = build_config({}, {"timeout": flags.get("timeout")})
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    agent = torchrun_agent()
     explicit = os.environ.get("XRONOS_DEVICE")
     mine = explicit or f"{socket.gethostname()}-{os.environ.get('LOCAL_RANK', '0')}"
     secret = load_token(args.token_file)
@@ -181,12 +188,16 @@ def run(args: argparse.Namespace) -> int:
         cluster = ClusterSpec(name="torchrun", devices=devices)
 
         def make() -> Any:  # on the coordinator: the finetune options, as `finetune` reads them
+            nonlocal restarted
             asked = flags | {"emulate": False}  # the machines are real
             out = build_config(load_toml(args.config) if args.config else {}, flags).out
+            # torchrun restarted the job (a failure counts; a device that arrives does not)
+            restarted = restarted or bool(out and restarted_by_agent(Path(out), agent))
             if restarted and not asked.get("resume") and out and latest_checkpoint(out):
-                asked["resume"] = out  # torchrun restarted the job: continue where it was
+                asked["resume"] = out  # continue where it was
             prep = prepare_run(asked, args.config, cluster)
             write_config(prep)
+            record_agent(prep.run_dir, agent)
             for line in prep.notes:
                 print(line)
             return prep
@@ -208,9 +219,6 @@ def run(args: argparse.Namespace) -> int:
             )
             ctx.channel = _Direct(monitor)
             if restarted and prep.job.resume:  # torchrun restarted it, maybe on other devices
-                from xronos.checkpoint import read_checkpoint_meta
-                from xronos.run.membership import restart_events
-
                 step = int(read_checkpoint_meta(prep.job.resume)["step"])
                 restart_events(monitor, prep.run_dir, list(names), step)
         try:

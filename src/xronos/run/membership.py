@@ -12,13 +12,19 @@ checkpoint (:mod:`xronos.run.elastic`)::
 
 Only a device of the run's own cluster that was lost can join this way: the launcher knows
 how to start and emulate it. Devices on other hosts join through torchrun's elastic
-rendezvous instead (``--nnodes MIN:MAX``; see the deployment guide).
+rendezvous instead (``--nnodes MIN:MAX``; see the deployment guide). There torchrun's agent
+stops and starts the workers itself, and the coordinator must tell a restart of its job
+from a new job: torchrun's restart count does not (a membership change — a device that
+arrives — restarts the workers without counting), so the coordinator writes which agent
+started the run (``RUN_DIR/torchrun-agent``) and continues the run whenever the same agent
+starts it again (:func:`restarted_by_agent`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +34,7 @@ from xronos.run.monitor import RunMonitor
 from xronos.utils import atomic_write_text
 
 JOIN_DIR = "join"
+AGENT_FILE = "torchrun-agent"
 
 
 def read_devices(run_dir: Path) -> dict[str, Any]:
@@ -145,6 +152,34 @@ def restart_events(monitor: RunMonitor, run_dir: Path, devices: list[str], step:
         if before and name not in before:
             monitor.event("device_joined", step, device=name)
     monitor.resuming(step, monitor.last_step)
+
+
+def torchrun_agent() -> str:
+    """Which torchrun agent started this worker: its host, the job's rendezvous id, and the
+    agent's process id and start time (its parent's: the agent starts the worker). The same
+    for every restart of the workers of one torchrun job, whatever caused it; another for a
+    new ``torchrun`` command, even with the same rendezvous id."""
+    parent = os.getppid()
+    try:  # the start time makes a reused process id another agent
+        started = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "?"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"{socket.gethostname()} {run_id} {parent} {started}"
+
+
+def restarted_by_agent(run_dir: Path, agent: str) -> bool:
+    """Whether ``agent`` (:func:`torchrun_agent`) is the one that started the run in
+    ``run_dir`` (:func:`record_agent`): then torchrun restarted this run's workers."""
+    try:
+        return (run_dir / AGENT_FILE).read_text().strip() == agent
+    except OSError:
+        return False
+
+
+def record_agent(run_dir: Path, agent: str) -> None:
+    """Write which torchrun agent runs the job in ``run_dir`` (see :func:`restarted_by_agent`)."""
+    atomic_write_text(run_dir / AGENT_FILE, agent + "\n")
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
