@@ -1,7 +1,7 @@
-"""torchrun's elastic rendezvous (``--nnodes 2:3 --max-restarts 1``): a device that is lost
-mid-run makes torchrun restart the workers with one device fewer, and ``xronos worker``
-resumes from the coordinator's newest checkpoint under a plan for the two that remain;
-when the device comes back, torchrun restarts them again and the plan takes all three."""
+"""torchrun's elastic rendezvous (``--nnodes 2:3 --max-restarts 1``): a device that joins a
+running job makes torchrun restart the workers with one device more; one that is lost
+mid-run, with one device fewer. Each time ``xronos worker`` resumes from the coordinator's
+newest checkpoint under a plan for the devices now present."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ from tests.e2e.agents import free_port
 from tests.e2e.test_torchrun_coordinator import TOKEN, _data
 from tests.hf_models import make_checkpoint, save_word_tokenizer
 
-STEPS = 100
-"""Enough that the nuc, started again once the job runs on two, is back before the end: the
-two have 80 steps to do after the checkpoint of step 20 (about 10 s at 8 steps a second),
-and the nuc's agent needs a few seconds to join: on a 2-core host it was back after the two
-had done 1 step, and 12 with another test suite running beside them."""
+STEPS = 140
+"""Enough that the nuc, started again once the job runs on two, is back before the end: it
+is lost after a checkpoint at step 40 or 60, so the two have at least 80 steps to do (about
+10 s at 8 steps a second), and the nuc's agent needs a few seconds to join: on a 2-core host
+it was back after the two had done 1 step, and 12 with another test suite running beside
+them."""
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=2,keep_alive_max_attempt=3"
 """A round closes 2 s after its last node. The nuc is killed without a word to the
 rendezvous, and the next round can only start once every node of the last one has left it:
@@ -111,8 +112,13 @@ class _Job:
             assert self.procs[0][0].poll() is None, self.hub_log.read_text()[-3000:]
             time.sleep(0.2)
 
-    def first_checkpoint(self) -> None:
-        self.wait_for(lambda: (self.hub / "run/checkpoints/step-00000020/COMPLETE").is_file())
+    def said(self) -> list[str]:
+        """How many devices the coordinator said it coordinates, each time it started."""
+        return re.findall(r"coordinating (\d) devices", self.hub_log.read_text())
+
+    def checkpoint(self, step: int) -> None:
+        """Wait until the run's checkpoint of ``step`` is complete."""
+        self.wait_for(lambda: (self.hub / f"run/checkpoints/step-{step:08d}/COMPLETE").is_file())
 
     def close(self) -> None:
         for p, log in self.procs:
@@ -141,57 +147,47 @@ class _Job:
 
 
 @pytest.mark.slow
-def test_a_lost_device_restarts_the_job_on_the_others_and_it_comes_back(tmp_path: Path) -> None:
+def test_a_device_joins_a_running_job_is_lost_and_comes_back(tmp_path: Path) -> None:
+    """Two devices train; a third starts and joins; it is killed; it starts again.
+
+    Joining, torchrun stops the workers for a new round without counting a restart (a
+    membership change uses up none of --max-restarts), so the workers see a restart count
+    of 0, as at the job's start: the coordinator must still continue its run, not start it
+    over. Lost, the survivors' collectives fail and torchrun restarts them on the two (a
+    counted restart). Back, it restarts them on the three again."""
     job = _Job(tmp_path)
     try:
         job.start("hub", "hub.log")
         time.sleep(3)  # the hub's agent hosts the rendezvous store, as on a real network
         job.start("pi", "pi.log")
-        nuc = job.start("nuc", "nuc.log")
-        # the first checkpoint: losing the nuc any later only adds steps on three
-        job.first_checkpoint()
+        job.checkpoint(20)
+        nuc = job.start("nuc", "nuc.log")  # a device arrives: the job grows to three
+        job.wait_for(lambda: job.said() == ["2", "3"])
+        # a checkpoint the three wrote: the run goes on from there when the nuc is lost
+        resumed = re.findall(r"resuming from \S+ \(step (\d+)\)", job.hub_log.read_text())
+        assert resumed, job.hub_log.read_text()[-3000:]
+        job.checkpoint((int(resumed[-1]) // 20 + 1) * 20)
         for pid in [*_children(nuc.pid), nuc.pid]:  # the nuc is gone, agent and worker
             os.kill(pid, signal.SIGKILL)
-        job.wait_for(lambda: "coordinating 2 devices" in job.hub_log.read_text())
+        job.wait_for(lambda: job.said() == ["2", "3", "2"])
         job.start("nuc", "nuc-again.log")  # and comes back
         for p, _ in [job.procs[0], job.procs[1], job.procs[3]]:
             assert p.wait(timeout=240) == 0, job.hub_log.read_text()[-4000:]
     finally:
         job.close()
-    said = re.findall(r"coordinating (\d) devices", job.hub_log.read_text())
-    assert said == ["3", "2", "3"], said  # all, the two that remained, all again
+    assert job.said() == ["2", "3", "2", "3"]  # the two, all, the two that remained, all
     events = job.check_the_run(
         [
+            ("device_joined", "nuc"),
+            ("resumed", ["hub", "nuc", "pi"]),
             ("device_lost", "nuc"),
             ("resumed", ["hub", "pi"]),
             ("device_joined", "nuc"),
             ("resumed", ["hub", "nuc", "pi"]),
         ]
     )
-    # on two from a checkpoint of the run (every 20 steps); on three from the checkpoint
-    # the two wrote when torchrun stopped them to take the nuc in
-    assert events[1]["step"] % 20 == 0 and events[2]["step"] == events[3]["step"]
-
-
-@pytest.mark.slow
-def test_a_device_that_joins_a_running_job_continues_it(tmp_path: Path) -> None:
-    """No device fails: a third one starts while two train. torchrun stops the workers for
-    the new round without counting a restart (a membership change uses up none of
-    --max-restarts), so the workers see a restart count of 0, as at the job's start. The
-    coordinator must still continue the run it was on — from the checkpoint the two wrote
-    when stopped — and not start it over."""
-    job = _Job(tmp_path)
-    try:
-        job.start("hub", "hub.log")
-        time.sleep(3)
-        job.start("pi", "pi.log")
-        job.first_checkpoint()
-        job.start("nuc", "nuc.log")  # a device arrives: the job grows to three
-        for p, _ in job.procs:
-            assert p.wait(timeout=240) == 0, job.hub_log.read_text()[-4000:]
-    finally:
-        job.close()
-    said = re.findall(r"coordinating (\d) devices", job.hub_log.read_text())
-    assert said == ["2", "3"], said
-    events = job.check_the_run([("device_joined", "nuc"), ("resumed", ["hub", "nuc", "pi"])])
-    assert events[0]["step"] >= 20 and events[0]["step"] == events[1]["step"]
+    steps = [e["step"] for e in events]
+    # joining, from the checkpoint the workers wrote when torchrun stopped them; lost, from
+    # a checkpoint of the run (every 20 steps) that the three wrote
+    assert steps[0] == steps[1] >= 20 and steps[4] == steps[5]
+    assert steps[3] % 20 == 0 and steps[3] > steps[1]
