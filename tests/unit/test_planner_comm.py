@@ -210,22 +210,8 @@ def test_the_narrower_sustained_rate_limits_pairs_rings_and_the_star() -> None:
     assert pair(*links).p2p_s(1e7) == pytest.approx(p.p2p_s(1e7))
 
 
-def test_halves_save_the_first_halfs_bytes_up_to_the_compute_they_hide_behind() -> None:
-    net = Network(("a", "b"), (LinkModel(1e-3, 1e8), LinkModel(1e-3, 1e8)))
-    whole = net.allreduce_s(1e6, ["a", "b"])
-    bytes_s = whole - net.allreduce_s(0, ["a", "b"])  # 10 ms of bytes, 2 ms of latency
-    # the second half computes longer than the first half's bytes take: all of them hide
-    assert net.halves_save(1e6, ["a", "b"], behind_s=whole) == pytest.approx(bytes_s / 2)
-    # shorter: only what crosses while it computes
-    assert net.halves_save(1e6, ["a", "b"], behind_s=1e-3) == pytest.approx(1e-3)
-    assert net.halves_save(1e6, ["a", "b"], behind_s=0.0) == 0.0
-    # the latency is paid once either way: a link that is all latency saves nothing
-    lat = Network(("a", "b"), (LinkModel(1e-3, math.inf), LinkModel(1e-3, math.inf)))
-    assert lat.halves_save(1e6, ["a", "b"], behind_s=1.0) == 0.0
-
-
 def test_weight_gradients_hide_the_backward_seams_up_to_their_share() -> None:
-    from xronos.planner.comm import OVERLAP_SHARE, ROW_SHARE, overlapped_seams
+    from xronos.planner.comm import OVERLAP_SHARE, overlapped_seams
 
     cfg = small()
     traffic = tp_traffic(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, tokens=512)
@@ -246,12 +232,7 @@ def test_weight_gradients_hide_the_backward_seams_up_to_their_share() -> None:
         for s, seg in pred["segments"].items():
             n = seams.get(s, 0)
             hidden = full[s] - seg["transfer_s"]
-            if s in ROW_SHARE:  # less what the row seams' halves save (the test above)
-                behind = ROW_SHARE[s] * seg["barrier_s"] / (2 * n)
-                halves = net.halves_save(act, ["a", "b"], behind)
-                assert halves > 0  # bandwidth-bound: the halves pay
-                hidden -= n * halves
-            # what hides: the column seams' all-reduces, up to the weight gradients' share
+            # what hides: the seams' all-reduces, up to the weight gradients' share
             assert hidden == pytest.approx(min(n * one, OVERLAP_SHARE.get(s, 0) * seg["barrier_s"]))
             if hidden < n * one - 1e-12:
                 capped[bw].add(s)

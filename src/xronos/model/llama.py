@@ -11,9 +11,7 @@ Nothing here knows about devices. Tensor parallelism arrives from outside
 * ``enter`` -- identity on one device; ``copy_to_tp`` (backward all-reduce) when sharded,
   which may also run the projections it feeds (:func:`project`: their backward then
   overlaps that all-reduce with the weight gradients).
-* ``exit``  -- identity on one device; ``reduce_from_tp`` (forward all-reduce) when sharded,
-  which may also run the projection before it (:func:`project_out`: its all-reduce then
-  travels in two halves, the first while the second is computed).
+* ``exit``  -- identity on one device; ``reduce_from_tp`` (forward all-reduce) when sharded.
 
 and through the *shapes* of the projections: a sharded attention simply has fewer heads
 (``q_proj.out_features // head_dim`` query heads, ``k_proj.out_features // head_dim`` KV
@@ -54,15 +52,6 @@ def project(
         return fused(x, linears)  # type: ignore[no-any-return]
     y = enter(x)
     return tuple(lin(y) for lin in linears)
-
-
-def project_out(exit: nn.Module, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-    """``linear`` on ``x``, then the ``exit`` seam: the seam's own ``project`` where it has
-    one (a sharded block's fuses them), else one after the other."""
-    fused = getattr(exit, "project", None)
-    if fused is not None:
-        return fused(x, linear)  # type: ignore[no-any-return]
-    return exit(linear(x))  # type: ignore[no-any-return]
 
 
 class RMSNorm(nn.Module):
@@ -138,7 +127,7 @@ class Attention(nn.Module):
                 q, k.index_select(1, kv), v.index_select(1, kv), attn_mask=mask, is_causal=causal
             )  # (B, nq, S, d)
         y = y.transpose(1, 2).reshape(b, s, -1)
-        return project_out(self.exit, y, self.o_proj)
+        return self.exit(self.o_proj(y))
 
 
 class MLP(nn.Module):
@@ -155,7 +144,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(self.enter, x, (self.gate_proj, self.up_proj))
-        return project_out(self.exit, F.silu(gate) * up, self.down_proj)
+        return self.exit(self.down_proj(F.silu(gate) * up))
 
 
 class Block(nn.Module):

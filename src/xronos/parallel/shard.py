@@ -29,7 +29,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from xronos.comm.mappings import TPGroup
+from xronos.comm.mappings import ReduceFromTP, TPGroup
 from xronos.comm.relay import RemoteModelReader, installed
 from xronos.config import ModelConfig
 from xronos.errors import UserError
@@ -38,7 +38,6 @@ from xronos.model.lora import LoRAConfig, LoRALinear, add_lora, lora_init
 from xronos.model.readers import ModelReader, open_model_reader
 from xronos.model.rope import RotaryEmbedding
 from xronos.parallel.columns import ColumnSeam
-from xronos.parallel.rows import RowSeam
 from xronos.parallel.spec import ShardSpec, shard_spec
 from xronos.parallel.vocab import VocabParallelEmbedding, VocabParallelHead
 from xronos.planner.plan import Plan, segment_kind
@@ -269,9 +268,9 @@ def wire_seams(model: LlamaForCausalLM, cfg: ModelConfig, plan: Plan, group: TPG
             continue
         attn, mlp = segment_kind("attn", i), segment_kind("mlp", i)
         layer.self_attn.enter = ColumnSeam(group, f"L{i}.attn.in", attn)
-        layer.self_attn.exit = RowSeam(group, f"L{i}.attn.out", attn)
+        layer.self_attn.exit = ReduceFromTP(group, f"L{i}.attn.out", attn)
         layer.mlp.enter = ColumnSeam(group, f"L{i}.mlp.in", mlp)
-        layer.mlp.exit = RowSeam(group, f"L{i}.mlp.out", mlp)
+        layer.mlp.exit = ReduceFromTP(group, f"L{i}.mlp.out", mlp)
     v0, _ = plan.bounds("vocab", group.rank, cfg.vocab_size)
     if not isinstance(model.lm_head, Absent):
         model.head = VocabParallelHead(model.lm_head, v0, cfg.vocab_size, group)

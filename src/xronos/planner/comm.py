@@ -31,13 +31,12 @@ message four times the activation; the rate it implies beyond the line's largest
 
 **Traffic of a tensor-parallel step** (:func:`tp_traffic`), per segment barrier: ``attn``
 and ``mlp`` each close with two all-reduces of the activation (``B·S·H`` fp32) per layer —
-one forward after the row-parallel projection (sent in two halves of the tokens, the first
-while the second is computed), one backward before the column-parallel ones (sent while the
-weight gradients compute: :meth:`Network.hidden_s`); ``vocab`` with one (the backward
-all-reduce before the LM head) plus the loss's small all-gather of two floats per token;
-``step`` holds the gradient-norm all-reduce (and, with tied embeddings, the vocab-parallel
-embedding's all-reduce of the activation). The LoRA gradients' one flattened all-reduce per
-step is not counted (its size is the adapters', small next to the activations').
+one forward after the row-parallel projection, one backward before the column-parallel
+ones; ``vocab`` with one (the backward all-reduce before the LM head) plus the loss's small
+all-gather of two floats per token; ``step`` holds the gradient-norm all-reduce (and, with
+tied embeddings, the vocab-parallel embedding's all-reduce of the activation). The LoRA
+gradients' one flattened all-reduce per step is not counted (its size is the adapters',
+small next to the activations').
 """
 
 from __future__ import annotations
@@ -232,12 +231,6 @@ after the seam, counted in products of equal size per unit. Attention: q, k and 
 of 9; the LM head: its weight gradient, 1 of 3."""
 
 
-ROW_SHARE = {"attn": 1 / 12, "mlp": 1 / 9}
-"""Of a barrier's compute, the share of its row-parallel projection's forward (o, one of the
-attention's 12 products; down, one of the MLP's 9): the second half of it runs while the
-first half of its output travels (:mod:`xronos.parallel.rows`)."""
-
-
 def overlapped_seams(traffic: Traffic) -> dict[str, int]:
     """Per barrier, how many of its activation all-reduces (the largest messages) are a
     column seam's backward, which overlaps the weight gradients: one of each layer's two
@@ -279,35 +272,16 @@ class Network:
     def hidden_s(
         self, traffic: Traffic, ranks: Sequence[str], barriers: Mapping[str, float]
     ) -> dict[str, float]:
-        """Seconds of each barrier's collectives that its compute hides (``barriers``:
-        seconds from one barrier to the next, per segment): the backward all-reduces of its
-        column seams behind the weight gradients, up to :data:`OVERLAP_SHARE` of the
-        barrier's compute; and for each forward all-reduce of a row seam, sent in two
-        halves, what the halves save on one whole message (:meth:`halves_save`: the first
-        half travels while the second half of the projection, :data:`ROW_SHARE`,
-        computes)."""
+        """Seconds of each barrier's collectives that its weight gradients hide: the
+        overlapped seams' all-reduces, up to :data:`OVERLAP_SHARE` of the barrier's
+        compute (``barriers``: seconds from one barrier to the next, per segment)."""
         act = max((b for entries in traffic.values() for _, b in entries), default=0)
         one = self.allreduce_s(act, ranks)
-        out: dict[str, float] = {}
-        for s, n in overlapped_seams(traffic).items():
-            if n <= 0:
-                continue
-            barrier = barriers.get(s, 0.0)
-            out[s] = min(n * one, OVERLAP_SHARE[s] * barrier)
-            if s in ROW_SHARE:  # the second half of one seam's projection
-                out[s] += n * self.halves_save(act, ranks, ROW_SHARE[s] * barrier / (2 * n))
-        return out
-
-    def halves_save(self, nbytes: float, ranks: Sequence[str], behind_s: float) -> float:
-        """What an all-reduce of ``nbytes`` sent in two halves saves on one whole message
-        when the first half is sent ``behind_s`` of compute before the second: the bytes of
-        the first half cross while the second computes, up to ``behind_s``. The latency is
-        paid once either way — both halves are in flight together, as each message is
-        issued one latency after it is sent (:mod:`xronos.comm.links`) — so the saving is
-        ``min(whole − half, behind_s)``, the first half's bytes or the compute they hide
-        behind, whichever is less."""
-        whole, half = self.allreduce_s(nbytes, ranks), self.allreduce_s(nbytes / 2, ranks)
-        return max(0.0, min(whole - half, behind_s))
+        return {
+            s: min(n * one, OVERLAP_SHARE[s] * barriers.get(s, 0.0))
+            for s, n in overlapped_seams(traffic).items()
+            if n > 0
+        }
 
     def traffic_s(
         self, traffic: Mapping[str, Sequence[tuple[int, int]]], ranks: Sequence[str]
