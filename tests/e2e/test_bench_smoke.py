@@ -56,6 +56,13 @@ def test_bench_smoke(tmp_path: Path) -> None:
     solo = bench["solo_step_time_s"]
     assert set(solo) == {"fast", "slow"} and min(solo.values()) > 0
     assert bench["ideal_step_time_s"] == pytest.approx(1 / sum(1 / t for t in solo.values()))
+    # the solo steps again, every device's at the same moment: the bound with all busy
+    together = bench["solo_together_step_time_s"]
+    assert set(together) == {"fast", "slow"} and min(together.values()) > 0
+    both = bench["ideal_together_step_time_s"]
+    assert both == pytest.approx(1 / sum(1 / t for t in together.values()))
+    for name, cost in bench["contention"].items():
+        assert cost == pytest.approx(together[name] / solo[name] - 1), name
     # the same solo steps as speeds against the fastest device's, beside what was asked
     speeds = bench["solo_speed"]
     assert speeds["fast"]["asked"] == 1.0 and speeds["slow"]["asked"] == pytest.approx(0.4)
@@ -75,6 +82,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert strategies[name]["predicted_step_time_s"] > 0, name
     for name, entry in strategies.items():
         assert entry.keys() >= KEYS, name
+        assert entry["efficiency_together"] == pytest.approx(both / entry["step_time_s"]), name
         assert 0 <= entry["idle_ratio_mean"] <= entry["idle_ratio_max"] <= 1, name
         for dev in entry["per_device"]:
             assert {"name", "compute_s", "transfer_s", "idle_s"} <= dev.keys()

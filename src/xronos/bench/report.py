@@ -111,8 +111,33 @@ def build_report(
             continue
         entry["efficiency"] = efficiency(ideal, step) if ideal else None
         entry["speedup_vs_single"] = single / step if single else None
+    together_bound(result, cluster, solo, out.solo_together_step_time_s)
     result.update(meta)
     return result
+
+
+def together_bound(
+    result: dict[str, Any],
+    cluster: ClusterSpec,
+    alone: list[float | None],
+    together: list[float | None],
+) -> None:
+    """Where every device also ran its solo step at the same moment as the others: those
+    times, each device's ``contention`` (together ÷ in turn − 1: what the others' work
+    costs it on a shared host), the compute bound with every device busy, and each
+    strategy's efficiency against that bound (``efficiency`` keeps DESIGN §6's)."""
+    if not together or not all(together) or not all(alone):
+        return
+    names = [d.name for d in cluster.devices]
+    result["solo_together_step_time_s"] = dict(zip(names, together, strict=True))
+    result["contention"] = {
+        n: t / a - 1 for n, t, a in zip(names, together, alone, strict=True) if t and a
+    }
+    ideal = ideal_step_time([t for t in together if t])
+    result["ideal_together_step_time_s"] = ideal
+    for entry in result["strategies"].values():
+        if entry.get("step_time_s") is not None:
+            entry["efficiency_together"] = efficiency(ideal, entry["step_time_s"])
 
 
 def solo_speeds(cluster: ClusterSpec, solo: list[float | None]) -> dict[str, dict[str, float]]:

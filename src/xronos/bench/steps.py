@@ -41,7 +41,24 @@ class BenchJob:
     """The rank that runs ``single``."""
     solo: bool = True
     """Measure every device running the whole model alone (for the ideal step time)."""
+    together: bool = True
+    """Also time every device's solo step at the same moment (all of them computing at
+    once, as in any collaboration), where every device can hold the whole model: devices
+    emulated on one host share its caches and memory, and this shows what that costs."""
     seed: int = 0
+
+
+@dataclass
+class SoloTimes:
+    """Per device, its counted solo steps: in turn (the others waiting: ``T_i^solo``) and
+    together (every device's at the same moment)."""
+
+    alone: list[list[float]]
+    together: list[list[float]]
+
+    @classmethod
+    def empty(cls, n: int) -> SoloTimes:
+        return cls([[] for _ in range(n)], [[] for _ in range(n)])
 
 
 @dataclass
@@ -159,20 +176,48 @@ class Run:
             for r, ok in enumerate(solo_ok)
         ]
 
+    def _together(self, solo_ok: list[bool]) -> bool:
+        """Whether the solo steps are also timed together (every device holds the model)."""
+        job = self.job
+        return job.solo and job.together and self.ctx.world_size > 1 and all(solo_ok)
+
     def _solo(self, runs: tuple[Strategy, ...], solo_ok: list[bool]) -> Session | None:
-        if not self._solo_ranks(runs, solo_ok)[self.ctx.rank]:
+        """This device's whole model alone, where it runs solo steps in turn or together
+        (the fastest one, whose in-turn time is ``single``'s, only for the latter)."""
+        if not (self._solo_ranks(runs, solo_ok)[self.ctx.rank] or self._together(solo_ok)):
             return None
         spec = replace(self.job.spec, strategy=Strategy.SINGLE)
         ctx = self.ctx
         alone = WorkerContext(0, 1, ctx.device, TPGroup(), ctx.timeout_s, (ctx.device,))
         return open_session(spec, alone, TPGroup(), self.profiles, self.first).session
 
-    def interleaved(self, runs: tuple[Strategy, ...], solo_ok: list[bool]) -> list[list[float]]:
+    def _solo_round(
+        self,
+        solo: Session | None,
+        micro: list[Batch],
+        counted: bool,
+        ok: tuple[list[bool], list[bool]],
+        times: SoloTimes,
+    ) -> None:
+        """One solo step of every device in turn; then, on counted steps, one together.
+        ``ok``: per device, whether it steps in turn, and whether it can hold the model."""
+        in_turn, solo_ok = ok
+        mine = solo if in_turn[self.ctx.rank] else None
+        for r, t in enumerate(_solo_step(mine, micro, self.ctx)):
+            if t is not None and counted:
+                times.alone[r].append(t)
+        if counted and self._together(solo_ok):
+            for r, t in enumerate(_together_step(solo, micro, self.ctx)):
+                if t is not None:
+                    times.together[r].append(t)
+
+    def interleaved(self, runs: tuple[Strategy, ...], solo_ok: list[bool]) -> SoloTimes:
         """Every strategy's session open at once, taking turns step by step."""
         job, ctx = self.job, self.ctx
         sessions = {s: self.open(s) for s in runs}
         solo = self._solo(runs, solo_ok)
-        solo_times: list[list[float]] = [[] for _ in range(ctx.world_size)]
+        solo_times = SoloTimes.empty(ctx.world_size)
+        ok = (self._solo_ranks(runs, solo_ok), solo_ok)
         data, micro, n = self._data(), [], max(len(runs), 1)
         for step in range(job.warmup + job.steps):
             micro = data.next_step()
@@ -183,16 +228,14 @@ class Run:
                 self._step(s, sessions[s], micro, step)
                 self.peaks[s] = max(self.peaks.get(s, 0), self.peak.peak_bytes())
             if job.solo:
-                for r, t in enumerate(_solo_step(solo, micro, ctx)):
-                    if t is not None and step >= job.warmup:
-                        solo_times[r].append(t)
+                self._solo_round(solo, micro, step >= job.warmup, ok, solo_times)
         if solo is not None:
             solo.close()
         for s in runs:
             self._finish(s, sessions[s], micro, iso=True)
         return solo_times
 
-    def in_turn(self, runs: tuple[Strategy, ...], solo_ok: list[bool]) -> list[list[float]]:
+    def in_turn(self, runs: tuple[Strategy, ...], solo_ok: list[bool]) -> SoloTimes:
         """One strategy at a time, alone in memory; then the solo steps."""
         job, ctx = self.job, self.ctx
         for s in runs:
@@ -208,17 +251,25 @@ class Run:
             self.peaks[s] = self.peak.peak_bytes()
             del session
             release()
-        solo_times: list[list[float]] = [[] for _ in range(ctx.world_size)]
+        solo_times = SoloTimes.empty(ctx.world_size)
         solo = self._solo(runs, solo_ok)
-        if any(self._solo_ranks(runs, solo_ok)):
+        ok = (self._solo_ranks(runs, solo_ok), solo_ok)
+        if any(ok[0]) or self._together(solo_ok):
             data = self._data()
             for step in range(job.warmup + job.steps):
-                for r, t in enumerate(_solo_step(solo, data.next_step(), ctx)):
-                    if t is not None and step >= job.warmup:
-                        solo_times[r].append(t)
+                self._solo_round(solo, data.next_step(), step >= job.warmup, ok, solo_times)
         if solo is not None:
             solo.close()
         return solo_times
+
+
+def _solo_time(session: Session | None, micro: list[Batch], ctx: WorkerContext) -> float | None:
+    """One step of this device's whole model alone (None where it has no solo session)."""
+    if session is None:
+        return None
+    rec = SpanRecorder(ctx.rank, ctx.device)
+    outcome = run_step(session, micro, TPGroup(), rec)
+    return outcome.records[0].duration if outcome.records else None
 
 
 def _solo_step(
@@ -229,19 +280,28 @@ def _solo_step(
     out: list[float | None] = []
     for r in range(ctx.world_size):
         ctx.group.barrier()
-        t: float | None = None
-        if r == ctx.rank and session is not None:
-            rec = SpanRecorder(ctx.rank, ctx.device)
-            outcome = run_step(session, micro, TPGroup(), rec)
-            t = outcome.records[0].duration if outcome.records else None
+        t = _solo_time(session, micro, ctx) if r == ctx.rank else None
         out.append(ctx.group.gather_object(t)[r])
     return out
+
+
+def _together_step(
+    session: Session | None, micro: list[Batch], ctx: WorkerContext
+) -> list[float | None]:
+    """Every device runs one step of its whole model alone, all at the same moment (after
+    one barrier); every device's step time, on every rank."""
+    ctx.group.barrier()
+    return list(ctx.group.gather_object(_solo_time(session, micro, ctx)))
+
+
+def median_or_none(times: list[float]) -> float | None:
+    return statistics.median(times) if times else None
 
 
 def solo_medians(
     times: list[list[float]], logs: dict[Strategy, StrategyLog], job: BenchJob
 ) -> list[float | None]:
-    out: list[float | None] = [statistics.median(t) if t else None for t in times]
+    out = [median_or_none(t) for t in times]
     single = logs.get(Strategy.SINGLE)
     if single is not None and single.records:
         counted = [r[0].duration for r in single.records[job.warmup :] if r]

@@ -13,7 +13,10 @@ wait, so ``step.end`` puts it back, as idle, in the step it belongs to.
 
 Every device also runs the whole model alone, inside its own limits, once per round
 (``solo``): its median counted step is ``T_i^solo`` of DESIGN §6, measured, not
-extrapolated (the fastest device's is the ``single`` strategy's when that runs).
+extrapolated (the fastest device's is the ``single`` strategy's when that runs). Where every
+device can hold the model, each counted round also times all the solo steps at the same
+moment: devices emulated on one host slow each other down through its shared caches and
+memory, and the bound with every device busy (``ideal_together_step_time_s``) shows how much.
 
 After the timed rounds each session replays its last step's compute with no
 communication in flight (:meth:`~xronos.train.session.Session.isolated_compute`), for
@@ -43,7 +46,7 @@ from xronos.bench.memory import (
     take_turns,
     verdicts,
 )
-from xronos.bench.steps import BenchJob, Run, StrategyLog, solo_medians
+from xronos.bench.steps import BenchJob, Run, StrategyLog, median_or_none, solo_medians
 from xronos.comm.iothreads import restored
 from xronos.comm.launch import WorkerContext
 from xronos.metrics.rss import (
@@ -81,6 +84,9 @@ class BenchOutput:
     """Per device: the process's lifetime peak (every strategy and the solo steps)."""
     solo_step_time_s: list[float | None]
     """Per device: median counted step running the whole model alone (None: not run)."""
+    solo_together_step_time_s: list[float | None] = field(default_factory=list)
+    """Per device: the same, with every device's solo step at the same moment (None: not
+    run; empty: not measured)."""
     predicted_step_time_s: dict[Strategy, float | None] = field(default_factory=dict)
     """What the planner's model (communication included) predicted for each strategy."""
     auto: dict[str, object] | None = None
@@ -185,7 +191,8 @@ def bench_worker(ctx: WorkerContext, job: BenchJob) -> BenchOutput | None:
         planning_s=run.planning_s,
         profile_s=profiles.seconds,
         peak_rss_mb=lifetime,
-        solo_step_time_s=solo_medians(solo_times, run.logs, job),
+        solo_step_time_s=solo_medians(solo_times.alone, run.logs, job),
+        solo_together_step_time_s=[median_or_none(t) for t in solo_times.together],
         predicted_step_time_s=predictions(job, mem.choice, view or measured, run.logs, run.auto),
         auto=run.auto,
         strategy_peak_mb={s: [p[s] / MIB for p in peaks] for s in runs},

@@ -309,6 +309,8 @@ def bench_once(
             "speeds during the run (solo step against the fastest device's; asked): "
             + ", ".join(f"{n} {v['measured']:.2f} ({v['asked']:.2f})" for n, v in speeds.items())
         )
+    if together := result.get("contention"):
+        print(together_line(result, together))
     ideal = result["ideal_step_time_s"]
     print(
         (f"ideal step time {ideal:.3f} s; " if ideal else "ideal step time unknown; ")
@@ -316,6 +318,22 @@ def bench_once(
         + f"{', cached' if cached else ''}); wrote {out_dir}/bench.json, bench.png"
     )
     return result
+
+
+def together_line(result: dict[str, Any], contention: dict[str, float]) -> str:
+    """Solo steps of every device at the same moment against in turn, the compute bound
+    with every device busy, and each strategy's efficiency against it."""
+    per = ", ".join(f"{n} {c * 100:+.1f} %" for n, c in contention.items())
+    eff = ", ".join(
+        f"{n} {e['efficiency_together'] * 100:.1f} %"
+        for n, e in result["strategies"].items()
+        if e.get("efficiency_together") is not None
+    )
+    return (
+        f"every device computing at once (solo steps together against in turn): {per}; "
+        f"ideal step time then {result['ideal_together_step_time_s']:.3f} s, "
+        f"efficiency against it: {eff}"
+    )
 
 
 def _training(source: ModelSource) -> str:
