@@ -50,6 +50,7 @@ def strategy_entry(name: Strategy, log: StrategyLog, scenario: Scenario) -> dict
         "stall_ratio": stall,
         "final_loss": counted[-1] if counted else float("nan"),
         "losses": log.losses,
+        "rebalanced": log.moves,
     }
 
 

@@ -21,7 +21,10 @@ class Scenario:
     speed can move by a fifth within seconds, and over 8 steps two such moments moved one
     strategy's median against another's by 7 % with the same plan (docs/benchmarks.md)."""
     warmup: int
-    """Uncounted steps per strategy before them."""
+    """Uncounted steps per strategy before them. ``ci-2dev`` and ``edge-3dev`` warm up for
+    12: a calibrated tensor-parallel plan's balance is checked against its first steps
+    after 10 of them, as ``xronos finetune`` does (:data:`xronos.bench.steps.BALANCE_HORIZON`),
+    and moved before the counted steps where that pays."""
     lora_rank: int = 0
     """0 = full fine-tuning."""
     description: str = ""
@@ -37,7 +40,7 @@ SCENARIOS = {
             batch_size=4,
             seq_len=64,
             steps=16,
-            warmup=2,
+            warmup=12,
             description="2 devices on a 2-core host: 1 core at 100 %, 1 core at 40 % quota",
         ),
         Scenario(
@@ -57,7 +60,7 @@ SCENARIOS = {
             batch_size=6,
             seq_len=64,
             steps=16,
-            warmup=2,
+            warmup=12,
             description="3 devices at speeds 1 : 0.5 : 0.25",
         ),
         Scenario(

@@ -16,15 +16,20 @@ from xronos.metrics.records import Span, StepRecord
 from xronos.metrics.rss import PeakRSS, release, resident_bytes
 from xronos.planner.profile import DeviceProfile
 from xronos.run.opening import Opened, SessionSpec
+from xronos.run.rebalance import Rebalancer
 from xronos.run.sessions import ProfileSource, open_session
 from xronos.train.batches import Batch, RandomBatches, label_count
 from xronos.train.loop import STEP_END, run_step
 from xronos.train.session import Session, Strategy
-from xronos.train.tp import compute_gaps
+from xronos.train.tp import TPSession, compute_gaps
 
 ISOLATED_REPEATS = 3
 """Isolated re-runs of the last step per strategy; the stall ratio compares the mean
 isolated span with the mean of the same span over every counted step."""
+BALANCE_HORIZON = 1000
+"""Steps of the fine-tune whose first-plan balance check the bench applies in its warm-up
+(:mod:`xronos.run.rebalance`): a move must pay for itself over that many, as in a long
+run."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +51,10 @@ class BenchJob:
     once, as in any collaboration), where every device can hold the whole model: devices
     emulated on one host share its caches and memory, and this shows what that costs."""
     seed: int = 0
+    rebalance: bool = True
+    """Let a calibrated heterogeneous tensor-parallel session move to a better-balanced
+    plan during the warm-up, as ``xronos finetune``'s live re-balancing would (strategies
+    that interleave only; the counted steps keep the plan they start with)."""
 
 
 @dataclass
@@ -76,6 +85,8 @@ class StrategyLog:
     """What the session describes (a Plan or a PipelinePlan as a dict)."""
     tokens: int = 0
     """Label tokens per step (:func:`~xronos.train.batches.label_count`)."""
+    moves: list[dict[str, object]] = field(default_factory=list)
+    """The warm-up's re-balancing moves (the ``Rebalancer``'s events), oldest first."""
 
 
 def _observed(session: Session, rec: StepRecord, rank: int) -> list[Span]:
@@ -133,13 +144,18 @@ class Run:
         """When this process's gloo I/O threads went back to the normal class
         (:mod:`xronos.comm.iothreads`): after which strategy's step, or None."""
         self.first = self._data().peek()
+        self.movers: dict[Strategy, Rebalancer] = {}
+        self.moves: dict[Strategy, list[dict[str, object]]] = {}
 
     def _data(self) -> RandomBatches:
         cfg, shape = self.job.spec.source.cfg, self.job.spec.shape
         return RandomBatches(cfg.vocab_size, shape.batch_size, shape.seq_len, seed=self.job.seed)
 
-    def open(self, s: Strategy) -> Session | None:
+    def open(self, s: Strategy, watch: bool = False) -> Session | None:
+        """Open ``s``'s session; ``watch``: with the warm-up's balance check (:meth:`_watch`)."""
         opened = _open(self.job, s, self.ctx, self.profiles, self.first)
+        if watch:
+            self._watch(s, opened)
         if s is Strategy.XRONOS and opened is not None:
             self.planning_s, self.calibrated = opened.seconds, opened.calibrated
         if s is Strategy.AUTO and opened is not None and opened.choice and opened.ran:
@@ -154,16 +170,46 @@ class Run:
             }
         return opened.session if opened else None
 
-    def _step(self, s: Strategy, session: Session | None, micro: list[Batch], step: int) -> None:
-        _step(session, micro, self.ctx, self.logs[s], counted=step >= self.job.warmup)
+    def _watch(self, s: Strategy, opened: Opened | None) -> None:
+        """The fine-tune's re-balancer for a calibrated heterogeneous TP session (collective)."""
+        session = opened.session if opened else None
+        if not (
+            self.job.rebalance
+            and opened is not None
+            and isinstance(session, TPSession)
+            and session.strategy is Strategy.XRONOS
+            and session.group.size > 1
+            and len(opened.calibrated) == session.group.size
+        ):
+            return
+        shape = self.job.spec.shape
+        chunks = (shape.mlp_chunk, shape.vocab_chunk)
+        moves = self.moves.setdefault(s, [])
+        self.movers[s] = Rebalancer(
+            session, list(opened.calibrated), chunks, BALANCE_HORIZON, moves.append
+        )
+
+    def _step(
+        self, s: Strategy, session: Session | None, micro: list[Batch], step: int
+    ) -> Session | None:
+        """One step of ``s``; the session to go on with (a new one where the warm-up's
+        balance check moved it to another plan)."""
+        counted = step >= self.job.warmup
+        records = _step(session, micro, self.ctx, self.logs[s], counted=counted)
         if self.io_restored is None and restored():
             self.io_restored = f"step {step} of {s.value}"
+        mover = self.movers.get(s)
+        if mover is None or counted or not isinstance(session, TPSession):
+            return session
+        return mover.after(session, records) or session
 
     def _finish(self, s: Strategy, session: Session | None, micro: list[Batch], iso: bool) -> None:
         if iso:
             _isolated(session, micro, self.ctx, self.logs[s])
         described = self.ctx.group.gather_object(session.describe() if session else None)
         self.logs[s].plan = next(d for d in described if d is not None)
+        moved = self.ctx.group.gather_object(self.moves.get(s, []))
+        self.logs[s].moves = max(moved, key=len)  # the session's first rank emits them
         if session is not None:
             session.close()
 
@@ -214,7 +260,7 @@ class Run:
     def interleaved(self, runs: tuple[Strategy, ...], solo_ok: list[bool]) -> SoloTimes:
         """Every strategy's session open at once, taking turns step by step."""
         job, ctx = self.job, self.ctx
-        sessions = {s: self.open(s) for s in runs}
+        sessions = {s: self.open(s, watch=True) for s in runs}
         solo = self._solo(runs, solo_ok)
         solo_times = SoloTimes.empty(ctx.world_size)
         ok = (self._solo_ranks(runs, solo_ok), solo_ok)
@@ -225,7 +271,7 @@ class Run:
             for s in runs[k:] + runs[:k]:
                 self.starts.setdefault(s, resident_bytes())
                 self.peak.reset()
-                self._step(s, sessions[s], micro, step)
+                sessions[s] = self._step(s, sessions[s], micro, step)
                 self.peaks[s] = max(self.peaks.get(s, 0), self.peak.peak_bytes())
             if job.solo:
                 self._solo_round(solo, micro, step >= job.warmup, ok, solo_times)
@@ -246,7 +292,7 @@ class Run:
             data, micro = self._data(), []
             for step in range(job.warmup + job.steps):
                 micro = data.next_step()
-                self._step(s, session, micro, step)
+                session = self._step(s, session, micro, step)
             self._finish(s, session, micro, iso=s.is_pipeline)
             self.peaks[s] = self.peak.peak_bytes()
             del session
@@ -311,18 +357,21 @@ def solo_medians(
 
 def _step(
     session: Session | None, micro: list[Batch], ctx: WorkerContext, log: StrategyLog, counted: bool
-) -> None:
-    """One step of one strategy on every rank (those without a part in it wait)."""
+) -> list[StepRecord]:
+    """One step of one strategy on every rank (those without a part in it wait); the
+    session's records of it, every rank of its group's (none where it has no part)."""
     group = ctx.group
     group.barrier()
     rec = SpanRecorder(ctx.rank, ctx.device, enabled=session is not None)
     mine: StepRecord | None = None
     loss = float("nan")
     records: list[StepRecord] = []
+    own_records: list[StepRecord] = []
     if session is not None:
         own = session.group
         outcome = run_step(session, micro, own, rec, end_collective=own.size > 1)
         loss, records = outcome.result.loss, outcome.records
+        own_records = list(records)
         mine = next((r for r in records if r.rank == ctx.rank), None)
         if mine is not None and counted:
             log.observed += _observed(session, mine, ctx.rank)
@@ -333,6 +382,7 @@ def _step(
         log.records.append(records)
         log.losses.append(loss)
         log.tokens = label_count(micro)
+    return own_records
 
 
 def _isolated(

@@ -18,6 +18,12 @@ device can hold the model, each counted round also times all the solo steps at t
 moment: devices emulated on one host slow each other down through its shared caches and
 memory, and the bound with every device busy (``ideal_together_step_time_s``) shows how much.
 
+A calibrated heterogeneous tensor-parallel session (``xronos``, or ``auto`` where it ran
+one) is watched in the warm-up as ``xronos finetune`` watches it: once its first steps are
+in, the plan's balance is checked against them and the session moves to a better-balanced
+plan where that pays (:class:`~xronos.run.rebalance.Rebalancer`; ``rebalanced`` in
+``bench.json``). The counted steps keep the plan they start with.
+
 After the timed rounds each session replays its last step's compute with no
 communication in flight (:meth:`~xronos.train.session.Session.isolated_compute`), for
 the computation-stall ratio.
