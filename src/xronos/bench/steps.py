@@ -57,6 +57,11 @@ class BenchJob:
     that interleave only; the counted steps keep the plan they start with)."""
 
 
+def times_together(job: BenchJob, solo_ok: list[bool]) -> bool:
+    """Whether the solo steps are also timed together: every device holds the model."""
+    return job.solo and job.together and len(solo_ok) > 1 and all(solo_ok)
+
+
 @dataclass
 class SoloTimes:
     """Per device, its counted solo steps: in turn (the others waiting: ``T_i^solo``) and
@@ -145,7 +150,6 @@ class Run:
         (:mod:`xronos.comm.iothreads`): after which strategy's step, or None."""
         self.first = self._data().peek()
         self.movers: dict[Strategy, Rebalancer] = {}
-        self.moves: dict[Strategy, list[dict[str, object]]] = {}
 
     def _data(self) -> RandomBatches:
         cfg, shape = self.job.spec.source.cfg, self.job.spec.shape
@@ -184,9 +188,8 @@ class Run:
             return
         shape = self.job.spec.shape
         chunks = (shape.mlp_chunk, shape.vocab_chunk)
-        moves = self.moves.setdefault(s, [])
         self.movers[s] = Rebalancer(
-            session, list(opened.calibrated), chunks, BALANCE_HORIZON, moves.append
+            session, list(opened.calibrated), chunks, BALANCE_HORIZON, self.logs[s].moves.append
         )
 
     def _step(
@@ -208,7 +211,7 @@ class Run:
             _isolated(session, micro, self.ctx, self.logs[s])
         described = self.ctx.group.gather_object(session.describe() if session else None)
         self.logs[s].plan = next(d for d in described if d is not None)
-        moved = self.ctx.group.gather_object(self.moves.get(s, []))
+        moved = self.ctx.group.gather_object(self.logs[s].moves)
         self.logs[s].moves = max(moved, key=len)  # the session's first rank emits them
         if session is not None:
             session.close()
@@ -222,15 +225,11 @@ class Run:
             for r, ok in enumerate(solo_ok)
         ]
 
-    def _together(self, solo_ok: list[bool]) -> bool:
-        """Whether the solo steps are also timed together (every device holds the model)."""
-        job = self.job
-        return job.solo and job.together and self.ctx.world_size > 1 and all(solo_ok)
-
     def _solo(self, runs: tuple[Strategy, ...], solo_ok: list[bool]) -> Session | None:
         """This device's whole model alone, where it runs solo steps in turn or together
         (the fastest one, whose in-turn time is ``single``'s, only for the latter)."""
-        if not (self._solo_ranks(runs, solo_ok)[self.ctx.rank] or self._together(solo_ok)):
+        mine = self._solo_ranks(runs, solo_ok)[self.ctx.rank]
+        if not (mine or times_together(self.job, solo_ok)):
             return None
         spec = replace(self.job.spec, strategy=Strategy.SINGLE)
         ctx = self.ctx
@@ -252,7 +251,7 @@ class Run:
         for r, t in enumerate(_solo_step(mine, micro, self.ctx)):
             if t is not None and counted:
                 times.alone[r].append(t)
-        if counted and self._together(solo_ok):
+        if counted and times_together(self.job, solo_ok):
             for r, t in enumerate(_together_step(solo, micro, self.ctx)):
                 if t is not None:
                     times.together[r].append(t)
@@ -300,7 +299,7 @@ class Run:
         solo_times = SoloTimes.empty(ctx.world_size)
         solo = self._solo(runs, solo_ok)
         ok = (self._solo_ranks(runs, solo_ok), solo_ok)
-        if any(ok[0]) or self._together(solo_ok):
+        if any(ok[0]) or times_together(self.job, solo_ok):
             data = self._data()
             for step in range(job.warmup + job.steps):
                 self._solo_round(solo, data.next_step(), step >= job.warmup, ok, solo_times)
@@ -371,7 +370,7 @@ def _step(
         own = session.group
         outcome = run_step(session, micro, own, rec, end_collective=own.size > 1)
         loss, records = outcome.result.loss, outcome.records
-        own_records = list(records)
+        own_records = records
         mine = next((r for r in records if r.rank == ctx.rank), None)
         if mine is not None and counted:
             log.observed += _observed(session, mine, ctx.rank)

@@ -52,7 +52,14 @@ from xronos.bench.memory import (
     take_turns,
     verdicts,
 )
-from xronos.bench.steps import BenchJob, Run, StrategyLog, median_or_none, solo_medians
+from xronos.bench.steps import (
+    BenchJob,
+    Run,
+    StrategyLog,
+    median_or_none,
+    solo_medians,
+    times_together,
+)
 from xronos.comm.iothreads import restored
 from xronos.comm.launch import WorkerContext
 from xronos.metrics.rss import (
@@ -161,8 +168,9 @@ def _memory_setup(ctx: WorkerContext, job: BenchJob, profiles: Profiles) -> _Mem
     whole = [tp_need(p, totals) for p in view]
     solo = [c is None or rt + w <= c for c, rt, w in zip(caps, runtime, whole, strict=True)]
     single = Strategy.SINGLE in job.strategies and found[Strategy.SINGLE].feasible
+    together = times_together(job, solo)  # then the fastest holds a solo model beside single
     solo_bytes = [
-        w if ok and job.solo and not (single and r == job.fastest) else 0
+        w if ok and job.solo and (together or not (single and r == job.fastest)) else 0
         for r, (w, ok) in enumerate(zip(whole, solo, strict=True))
     ]
     in_turn = take_turns(found, caps, runtime, solo_bytes)
