@@ -6,6 +6,7 @@ import json
 import pickle
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -157,13 +158,14 @@ def test_crash_while_writing_leaves_no_checkpoint(
 ) -> None:
     model, trainer = _trained(LORA)
     _save(checkpoint_path(tmp_path, 2), model, trainer)
-    real_write = save_mod._write_bytes
+    real_write = save_mod.write_tensors
 
-    def crashing_write(path: Path, data: bytes) -> None:
-        real_write(path, data[: len(data) // 2])  # half of the file reached the disk
+    def crashing_write(path: Path, tensors: dict[str, Any], metadata: dict[str, str]) -> None:
+        half = dict(list(tensors.items())[: len(tensors) // 2])
+        real_write(path, half, metadata)  # half of the file reached the disk
         raise error
 
-    monkeypatch.setattr(save_mod, "_write_bytes", crashing_write)
+    monkeypatch.setattr(save_mod, "write_tensors", crashing_write)
     target = checkpoint_path(tmp_path, 4)
     with pytest.raises(UserError if isinstance(error, OSError) else RuntimeError) as info:
         _save(target, model, trainer)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xronos.comm.blobs import recv_blob, send_blob, tensors_blob
+from xronos.comm.blobs import recv_tensors, send_tensors
 from xronos.comm.groups import new_group
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
@@ -48,6 +48,7 @@ from .state import (
     config_hash,
     describe_lora,
 )
+from .stream import write_streamed, write_tensors
 
 SHARD_TAG = 7201
 """Point-to-point tag of the shards sent to rank 0."""
@@ -143,20 +144,30 @@ def _prepare(final: Path, staged: Path) -> None:
 
 
 def _write(staged: Path, group: TPGroup, local: RankState, meta: dict[str, Any]) -> None:
-    """Rank 0 writes every rank's file (the others send theirs); a failed write does not
-    stop it receiving the rest, so no sender is left waiting."""
-    shard = tensors_blob({"rank": group.rank}, local.tensors, {"format": "pt", "xronos": FORMAT})
+    """Rank 0 writes every rank's file (the others send theirs), tensor by tensor as they
+    arrive (:mod:`.stream`: a shard is never held twice); a failed write does not stop it
+    receiving the rest, so no sender is left waiting."""
+    metadata = {"format": "pt", "xronos": FORMAT}
     if group.rank != 0:
-        send_blob(shard, _global(group, 0), _pg(group), SHARD_TAG, None)
+        send_tensors(local.tensors, _global(group, 0), _pg(group), SHARD_TAG, None)
         return
     error: Exception | None = None
-    for r in range(group.size):
-        blob = shard if r == 0 else recv_blob(_global(group, r), _pg(group), SHARD_TAG, None)
+    try:
+        write_tensors(staged / rank_file(0), local.tensors, metadata)
+    except Exception as e:  # re-raised once every shard has arrived
+        error = e
+    for r in range(1, group.size):
+        entries, chunks = recv_tensors(_global(group, r), _pg(group), SHARD_TAG, None)
         try:
             if error is None:
-                _write_bytes(staged / rank_file(r), blob.payload)
-        except Exception as e:  # re-raised once every shard has arrived
+                write_streamed(staged / rank_file(r), entries, chunks, metadata)
+        except Exception as e:
             error = e
+        try:
+            for _ in chunks:  # the rest of this rank's tensors, after a failed write
+                pass
+        except Exception as e:
+            error = error or e
     if error is not None:
         raise error
     index = {
@@ -169,12 +180,6 @@ def _write(staged: Path, group: TPGroup, local: RankState, meta: dict[str, Any])
     for name, data in ((INDEX, index), (META, meta)):
         write_json(staged / name, data)
         fsync_file(staged / name)
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-    fsync_file(path)
 
 
 _SHARD_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}

@@ -4,12 +4,18 @@ One blob is two point-to-point messages with the same tag: the sizes (JSON heade
 payload bytes) and then the header and the payload in one buffer. The header carries the
 payload's SHA-256, checked on arrival; tensors travel in the payload as safetensors bytes
 (never pickle). Every wait is bounded, except a server's wait for the next request.
+
+A shard of a checkpoint travels tensor by tensor instead (:func:`send_tensors`,
+:func:`recv_tensors`): a JSON header names each tensor's dtype, shape and SHA-256, and each
+tensor's bytes follow in a message of their own, so neither side holds more than one
+tensor beyond what it has anyway.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from hashlib import sha256
 from typing import Any
@@ -86,3 +92,72 @@ def recv_blob(src: int | None, group: dist.ProcessGroup, tag: int, timeout_s: fl
             "the network altered it; check the link between the devices"
         )
     return Blob(header, payload, sender)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def send_tensors(
+    tensors: dict[str, torch.Tensor],
+    dst: int,
+    group: dist.ProcessGroup,
+    tag: int,
+    timeout_s: float | None,
+) -> None:
+    """Send ``tensors`` to global rank ``dst`` one at a time (:func:`recv_tensors`)."""
+    entries = [
+        [
+            k,
+            str(t.dtype).removeprefix("torch."),
+            list(t.shape),
+            sha256(_flat(t).numpy().data).hexdigest(),
+        ]
+        for k, t in tensors.items()
+    ]
+    head = json.dumps(entries).encode()
+    _wait(
+        dist.isend(torch.tensor([len(head)], dtype=torch.int64), dst, group=group, tag=tag),
+        timeout_s,
+    )
+    _wait(
+        dist.isend(torch.frombuffer(bytearray(head), dtype=torch.uint8), dst, group=group, tag=tag),
+        timeout_s,
+    )
+    for t in tensors.values():
+        if t.numel():
+            _wait(dist.isend(_flat(t), dst, group=group, tag=tag), timeout_s)
+
+
+def recv_tensors(
+    src: int, group: dist.ProcessGroup, tag: int, timeout_s: float | None
+) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], Iterator[memoryview]]:
+    """The tensors :func:`send_tensors` sends from global rank ``src``: their names, dtypes
+    and shapes, and an iterator over their bytes, each received as it is asked for. Run it
+    to the end: it receives every tensor even after a failed SHA-256 check, and then raises
+    ``UserError``."""
+    size = torch.empty(1, dtype=torch.int64)
+    _wait(dist.irecv(size, src, group=group, tag=tag), timeout_s)
+    head = torch.empty(int(size.item()), dtype=torch.uint8)
+    _wait(dist.irecv(head, src, group=group, tag=tag), timeout_s)
+    listed = json.loads(head.numpy().tobytes())
+    entries = [(k, getattr(torch, dtype), tuple(shape)) for k, dtype, shape, _ in listed]
+
+    def chunks() -> Iterator[memoryview]:
+        bad = []
+        for (name, dtype, shape), (_, _, _, digest) in zip(entries, listed, strict=True):
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            buf = torch.empty(n, dtype=torch.uint8)
+            if n:
+                _wait(dist.irecv(buf, src, group=group, tag=tag), timeout_s)
+            data = buf.numpy().data
+            if sha256(data).hexdigest() != digest:
+                bad.append(name)
+            yield data
+        if bad:
+            raise UserError(
+                f"tensors from rank {src} failed their SHA-256 check ({', '.join(bad[:3])}): "
+                "the network altered them; check the link between the devices"
+            )
+
+    return entries, chunks()
