@@ -3,7 +3,7 @@ re-planned candidate, and what runs."""
 
 from __future__ import annotations
 
-from xronos.run.monitor import auto_table
+from xronos.run.autotable import auto_table
 
 
 def test_the_table_names_the_re_plan_and_the_plan_kept() -> None:

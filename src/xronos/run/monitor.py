@@ -25,6 +25,7 @@ from xronos.metrics import (
 )
 from xronos.metrics.records import StepRecord
 from xronos.planner.plan import Plan
+from xronos.run.autotable import auto_table
 from xronos.utils import atomic_write_text
 
 TRACE_STEPS = 3  # the last steps kept for trace.json and the timeline
@@ -170,6 +171,9 @@ class RunMonitor:
             self.checkpoint = ev["path"]
         elif kind == "rebalance":
             self._rebalanced(ev)
+        elif kind == "rebalance_held":
+            self.event("replan_held", ev["step"], reason=ev["reason"])
+            self.say(f"step {ev['step']}: a better plan was found, but {ev['reason']}; kept")
         elif kind == "io_restored":
             self.event("io_threads_restored", ev["step"], device=ev["device"])
             self.say(
@@ -345,47 +349,13 @@ def _event_text(e: dict[str, Any]) -> str:
             f"{e['reason']}; moved in {e['move_s']:.1f} s, predicted to save "
             f"{e['predicted_gain_s']:.0f} s"
         )
+    if e["event"] == "replan_held":
+        return f"a better plan was found, but {e['reason']}; kept the plan"
     if e["event"] == "io_threads_restored":
         return f"another program took {e['device']}'s CPU; its I/O threads are back to normal"
     return (
         f"on {', '.join(e['devices'])} ({e['strategy']}), {e['recomputed_steps']} steps done again"
     )
-
-
-def auto_table(
-    choice: dict[str, Any],
-    ran: dict[str, Any],
-    trials: dict[str, float] | None = None,
-    refined: list[dict[str, Any]] | None = None,
-) -> str:
-    """What ``auto`` predicted for every candidate, fastest first, what it measured of the
-    best few (and of any plan re-planned from its trial steps), and what runs."""
-    names = choice["devices"]
-    rows = sorted(
-        choice["candidates"],
-        key=lambda c: (c["predicted_step_s"] is None, c["predicted_step_s"] or 0.0),
-    )
-    lines = ["auto: predicted seconds per step of every way to run it (the best few measured)"]
-    for c in rows:
-        mark = "*" if c["strategy"] == ran["strategy"] and c["devices"] == ran["devices"] else " "
-        pred = f"{c['predicted_step_s']:.3f} s" if c["predicted_step_s"] else "infeasible"
-        who = ", ".join(names[r] for r in c["devices"])
-        key = f"{c['strategy']}:{','.join(map(str, c['devices']))}"
-        tried = (trials or {}).get(key)
-        got = f"  measured {tried:.3f} s" if tried is not None else ""
-        lines.append(f" {mark} {c['strategy']:<8} [{who}]  {pred}{got}  {c['why']}")
-    for r in refined or ():
-        moved = ", ".join(
-            f"{seg} {':'.join(map(str, r['before'][seg]))} -> {':'.join(map(str, after))}"
-            for seg, after in r["after"].items()
-            if after != r["before"][seg]
-        )
-        lines.append(
-            f"   {r['candidate']} re-planned from its trial steps ({moved}): measured "
-            f"{r['measured_before_s']:.3f} s -> {r['measured_after_s']:.3f} s, kept {r['kept']}"
-        )
-    lines.append(f"auto runs {ran['strategy']} on [{', '.join(names[r] for r in ran['devices'])}]")
-    return "\n".join(lines)
 
 
 def _tensorboard(run_dir: Path) -> Any:

@@ -29,7 +29,10 @@ a move costs (measured at the last move; before any, :data:`FIRST_MOVE_STEPS` st
 read back under the new plan by every rank — the resharding checkpoint format, so the
 continuation is the same training (parameters, AdamW moments, LoRA adapters, data
 position, RNG). It goes to a memory filesystem (``/dev/shm``) where the host has one; a
-device that holds no files reads its slices through the coordinator's relay.
+device that holds no files reads its slices through the coordinator's relay. A move needs
+memory beside the shard (the new shard, the checkpoint: :func:`move_peaks`); where that
+would pass a device's memory cap, the run keeps its plan and says so (a move there would
+get the device killed).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from xronos.config import ModelConfig
 from xronos.metrics.records import StepRecord
 from xronos.planner import plan_tp
 from xronos.planner.calibrate import Round, fit, segment_times
+from xronos.planner.memory import tp_need
 from xronos.planner.plan import SEGMENTS, Plan
 from xronos.planner.profile import DeviceProfile
 from xronos.planner.solve import predict
@@ -69,6 +73,7 @@ BALANCE_GAIN = 0.05
 plan whose devices' speeds did not change: the first plan's own calibration varies by a
 few per cent from run to run (one unit more or less on the slow device), and chasing that
 would cost more than it saves."""
+MIB = 1024**2
 FIRST_MOVE_STEPS = 5.0
 """A move's cost in step times, before one has been measured (``small`` on ``ci-2dev``:
 2.2 s at 0.5 s a step, about 4)."""
@@ -231,6 +236,42 @@ def move_prefix(coordinator_pid: int) -> str:
     return str(memory_dir() / f"xronos-move-{coordinator_pid}-")
 
 
+def move_peaks(
+    profiles: Sequence[DeviceProfile], before: Plan, after: Plan, checkpoint_in_memory: bool
+) -> list[int]:
+    """Per device, the model's bytes at the height of a move from ``before`` to ``after``
+    (the planner's memory model, :func:`~xronos.planner.memory.tp_need`): the old shard
+    and, beside it, the larger of its copy in the checkpoint on its way out and the new
+    shard (built before the old one is let go); the device that writes the checkpoint
+    (rank 0) also holds the whole of it where it goes to a memory filesystem, whose pages
+    the kernel charges to the writer's memory limit. Errs high: a shard's copy holds its
+    weights and moments, not its gradients and activations."""
+
+    def need(p: DeviceProfile, plan: Plan, i: int) -> int:
+        return tp_need(p, {s: plan.split(s)[i] for s in SEGMENTS})
+
+    old = [need(p, before, i) for i, p in enumerate(profiles)]
+    new = [need(p, after, i) for i, p in enumerate(profiles)]
+    peaks = [o + max(o, n) for o, n in zip(old, new, strict=True)]
+    if checkpoint_in_memory:
+        peaks[0] += sum(old)
+    return peaks
+
+
+def move_held(profiles: Sequence[DeviceProfile], before: Plan, after: Plan) -> str | None:
+    """Why a move from ``before`` to ``after`` would not fit some device's memory cap
+    (``memory_bytes``: what the cap leaves the model; 0 for no cap), or None when it fits."""
+    in_memory = memory_dir() == Path("/dev/shm")
+    for p, peak in zip(profiles, move_peaks(profiles, before, after, in_memory), strict=True):
+        if 0 < p.memory_bytes < peak:
+            return (
+                f"moving would take about {peak / MIB:.0f} MiB for the model on {p.name!r} "
+                f"(its shard, the new one and the checkpoint), where its memory cap leaves "
+                f"{p.memory_bytes / MIB:.0f} MiB"
+            )
+    return None
+
+
 def move(session: TPSession, plan: Plan, prefix: str) -> tuple[TPSession, float]:
     """``session``'s training state under ``plan``, on the same ranks (collective); and
     the seconds the move took."""
@@ -286,10 +327,17 @@ class Rebalancer:
             self.steps - step,
             cost,
         )
-        agreed = session.group.gather_object(mine.to_dict() if mine else None)[0]
+        held = move_held(self.profiles, session.plan, mine.plan) if mine else None
+        offer = mine.to_dict() | {"held": held} if mine else None
+        agreed = session.group.gather_object(offer)[0]  # rank 0's proposal stands
         if agreed is None:
             return None
         chosen = Proposal.from_dict(agreed)
+        if agreed["held"]:  # the run keeps its plan, with this speed as the new baseline
+            self.watch.restart()
+            if session.group.rank == 0:
+                self.emit({"kind": "rebalance_held", "step": step, "reason": agreed["held"]})
+            return None
         fresh, self.move_s = move(session, chosen.plan, self.prefix)
         self.watch.restart()
         if session.group.rank == 0:
