@@ -13,6 +13,7 @@ the data in header order), read by any safetensors reader.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -34,6 +35,9 @@ DTYPES = {
     torch.bool: "BOOL",
 }
 """torch dtypes and their names in a safetensors header."""
+SYNC_EVERY = 64 * 2**20
+"""Bytes written between two flushes to disk: pages not yet written out count against
+the writer's memory cap, and the kernel cannot drop them to make room."""
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
@@ -73,8 +77,14 @@ def write_streamed(
     order) as they come; fsynced."""
     with open(path, "wb") as f:
         f.write(header(entries, metadata))
+        unsynced = 0
         for chunk in chunks:
             f.write(chunk)
+            unsynced += len(chunk)
+            if unsynced >= SYNC_EVERY:  # written-out pages can be dropped under a memory cap
+                f.flush()
+                os.fsync(f.fileno())
+                unsynced = 0
     fsync_file(path)
 
 

@@ -81,7 +81,8 @@ def share_job(rank: int, world: int, make: Callable[[], Prepared], timeout_s: fl
     shared = Shared(job, cfg, prep)
     if rank == 0:
         allowed = {str(p) for p in (job.session.source.model_dir, job.resume) if p}
-        moves = (move_prefix(os.getpid()),)  # live re-balancing's checkpoints
+        pid = os.getpid()  # live re-balancing's checkpoints, in memory or (caps) on disk
+        moves = (move_prefix(pid), move_prefix(pid, on_disk=True))
         clients = set(range(1, world))
         shared.server = RelayServer(relay, clients, allowed, timeout_s, moves).start()
     else:

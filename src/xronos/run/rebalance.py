@@ -28,15 +28,17 @@ a move costs (measured at the last move; before any, :data:`FIRST_MOVE_STEPS` st
 **The move** is a checkpoint written by rank 0 (the other ranks send it their shards),
 read back under the new plan by every rank — the resharding checkpoint format, so the
 continuation is the same training (parameters, AdamW moments, LoRA adapters, data
-position, RNG). It goes to a memory filesystem (``/dev/shm``) where the host has one; a
-device that holds no files reads its slices through the coordinator's relay. A move needs
-memory beside the shard (the new shard, the checkpoint: :func:`move_peaks`); where that
-would pass a device's memory cap, the run keeps its plan and says so (a move there would
-get the device killed).
+position, RNG). It goes to a memory filesystem (``/dev/shm``) where the host has one and no
+device has a memory cap (there, to disk); a device that holds no files reads its slices
+through the coordinator's relay. The old shard is freed once the checkpoint holds it, before
+the new one is built; where even that would pass a device's memory cap
+(:func:`move_peaks`), the run keeps its plan and says so (a move would get the device
+killed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
@@ -225,34 +227,54 @@ def step_times(records: list[StepRecord]) -> list[dict[str, float]]:
     return [segment_times(r) for r in sorted(records, key=lambda r: r.rank)]
 
 
-def memory_dir() -> Path:
-    """Where moves write their checkpoint: a memory filesystem where there is one."""
+def capped(profiles: Sequence[DeviceProfile]) -> bool:
+    """Whether some device has a memory cap."""
+    return any(p.memory_bytes > 0 for p in profiles)
+
+
+def memory_dir(on_disk: bool = False) -> Path:
+    """Where moves write their checkpoint: a memory filesystem where there is one, unless
+    ``on_disk`` (some device has a memory cap: a file in memory would count against the
+    writer's cap, a file on disk only until the kernel writes it out)."""
     shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    if not on_disk and shm.is_dir() and os.access(shm, os.W_OK):
+        return shm
+    return Path(tempfile.gettempdir())
 
 
-def move_prefix(coordinator_pid: int) -> str:
+def in_memory_fs(path: Path) -> bool:
+    """Whether ``path`` lies on a filesystem kept in memory (tmpfs, ramfs)."""
+    best, kind = "", ""
+    with contextlib.suppress(OSError), open("/proc/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if len(fields) > 2 and len(fields[1]) > len(best) and path.is_relative_to(fields[1]):
+                best, kind = fields[1], fields[2]
+    return kind in ("tmpfs", "ramfs")
+
+
+def move_prefix(coordinator_pid: int, on_disk: bool = False) -> str:
     """The path prefix of every move's checkpoint in a run whose rank 0 has this pid."""
-    return str(memory_dir() / f"xronos-move-{coordinator_pid}-")
+    return str(memory_dir(on_disk) / f"xronos-move-{coordinator_pid}-")
 
 
 def move_peaks(
     profiles: Sequence[DeviceProfile], before: Plan, after: Plan, checkpoint_in_memory: bool
 ) -> list[int]:
     """Per device, the model's bytes at the height of a move from ``before`` to ``after``
-    (the planner's memory model, :func:`~xronos.planner.memory.tp_need`): the old shard
-    and, beside it, the larger of its copy in the checkpoint on its way out and the new
-    shard (built before the old one is let go); the device that writes the checkpoint
-    (rank 0) also holds the whole of it where it goes to a memory filesystem, whose pages
-    the kernel charges to the writer's memory limit. Errs high: a shard's copy holds its
-    weights and moments, not its gradients and activations."""
+    (the planner's memory model, :func:`~xronos.planner.memory.tp_need`): the larger of the
+    old shard and the new one (the old one's tensors are freed once the checkpoint holds
+    them, before the new one is built; the checkpoint is written one tensor at a time), and
+    on the device that writes the checkpoint (rank 0) the whole of it where it goes to a
+    memory filesystem, whose pages the kernel charges to the writer's memory limit. Errs
+    high: the checkpoint holds weights and moments, not gradients and activations."""
 
     def need(p: DeviceProfile, plan: Plan, i: int) -> int:
         return tp_need(p, {s: plan.split(s)[i] for s in SEGMENTS})
 
     old = [need(p, before, i) for i, p in enumerate(profiles)]
     new = [need(p, after, i) for i, p in enumerate(profiles)]
-    peaks = [o + max(o, n) for o, n in zip(old, new, strict=True)]
+    peaks = [max(o, n) for o, n in zip(old, new, strict=True)]
     if checkpoint_in_memory:
         peaks[0] += sum(old)
     return peaks
@@ -261,13 +283,13 @@ def move_peaks(
 def move_held(profiles: Sequence[DeviceProfile], before: Plan, after: Plan) -> str | None:
     """Why a move from ``before`` to ``after`` would not fit some device's memory cap
     (``memory_bytes``: what the cap leaves the model; 0 for no cap), or None when it fits."""
-    in_memory = memory_dir() == Path("/dev/shm")
+    in_memory = in_memory_fs(memory_dir(capped(profiles)))
     for p, peak in zip(profiles, move_peaks(profiles, before, after, in_memory), strict=True):
         if 0 < p.memory_bytes < peak:
             return (
                 f"moving would take about {peak / MIB:.0f} MiB for the model on {p.name!r} "
-                f"(its shard, the new one and the checkpoint), where its memory cap leaves "
-                f"{p.memory_bytes / MIB:.0f} MiB"
+                f"(the larger of its shards{', and the checkpoint' if in_memory else ''}), "
+                f"where its memory cap leaves {p.memory_bytes / MIB:.0f} MiB"
             )
     return None
 
@@ -278,6 +300,7 @@ def move(session: TPSession, plan: Plan, prefix: str) -> tuple[TPSession, float]
     t0 = time.perf_counter()
     where = Path(f"{prefix}{session.steps_done}")
     session.save(where, {"move": True})
+    session.release()  # the checkpoint holds it now: room for the new shard
     fresh = TPSession(session.source, plan, session.group, session.optim, session.strategy)
     fresh.load(str(where))
     session.close()
@@ -304,7 +327,8 @@ class Rebalancer:
         self.watch = SpeedWatch()
         self.move_s: float | None = None
         # rank 0's pid names the moves' checkpoints (the coordinator's relay serves them)
-        self.prefix = move_prefix(int(session.group.gather_object(os.getpid())[0]))
+        pid = int(session.group.gather_object(os.getpid())[0])
+        self.prefix = move_prefix(pid, on_disk=capped(profiles))
 
     def after(self, session: TPSession, records: list[StepRecord]) -> TPSession | None:
         """Observe one step; the session to go on with when the run moved, else None

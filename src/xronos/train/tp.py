@@ -156,5 +156,14 @@ class TPSession:
             return self.plan.to_dict()
         return {**self.plan.to_dict(), "calibration": self.calibration}
 
+    def release(self) -> None:
+        """Free this shard's weights, gradients and optimizer state (a move, once its
+        checkpoint holds them); the session cannot step again."""
+        self._twin = None
+        self.trainer.optimizer.state.clear()
+        for p in self.model.parameters():
+            p.grad = None
+            p.data = torch.empty(0, dtype=p.dtype)
+
     def close(self) -> None:
         self._twin = None
