@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from xronos.comm.blobs import byte_view
+
 from .atomic import fsync_file
 
 DTYPES = {
@@ -40,11 +42,6 @@ SYNC_EVERY = 64 * 2**20
 the writer's memory cap, and the kernel cannot drop them to make room."""
 
 
-def raw_bytes(t: torch.Tensor) -> memoryview:
-    """``t``'s bytes in row-major order, without a copy where ``t`` is contiguous."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
-
-
 def header(
     entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]
 ) -> bytes:
@@ -55,7 +52,7 @@ def header(
     for name, dtype, shape in entries:
         if dtype not in DTYPES:
             raise TypeError(f"{name}: dtype {dtype} has no safetensors name")
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n = torch.Size(shape).numel() * dtype.itemsize
         table[name] = {
             "dtype": DTYPES[dtype],
             "shape": list(shape),
@@ -91,4 +88,4 @@ def write_streamed(
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """``tensors`` as a safetensors file at ``path``, one tensor in memory at a time."""
     entries = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
-    write_streamed(path, entries, (raw_bytes(t) for t in tensors.values()), metadata)
+    write_streamed(path, entries, (byte_view(t).numpy().data for t in tensors.values()), metadata)

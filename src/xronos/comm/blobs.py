@@ -94,7 +94,9 @@ def recv_blob(src: int | None, group: dist.ProcessGroup, tag: int, timeout_s: fl
     return Blob(header, payload, sender)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes in row-major order as a flat uint8 tensor (no copy where ``t`` is
+    contiguous)."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -111,7 +113,7 @@ def send_tensors(
             k,
             str(t.dtype).removeprefix("torch."),
             list(t.shape),
-            sha256(_flat(t).numpy().data).hexdigest(),
+            sha256(byte_view(t).numpy().data).hexdigest(),
         ]
         for k, t in tensors.items()
     ]
@@ -126,7 +128,7 @@ def send_tensors(
     )
     for t in tensors.values():
         if t.numel():
-            _wait(dist.isend(_flat(t), dst, group=group, tag=tag), timeout_s)
+            _wait(dist.isend(byte_view(t), dst, group=group, tag=tag), timeout_s)
 
 
 def recv_tensors(
@@ -146,7 +148,7 @@ def recv_tensors(
     def chunks() -> Iterator[memoryview]:
         bad = []
         for (name, dtype, shape), (_, _, _, digest) in zip(entries, listed, strict=True):
-            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            n = torch.Size(shape).numel() * dtype.itemsize
             buf = torch.empty(n, dtype=torch.uint8)
             if n:
                 _wait(dist.irecv(buf, src, group=group, tag=tag), timeout_s)

@@ -280,10 +280,13 @@ def move_peaks(
     return peaks
 
 
-def move_held(profiles: Sequence[DeviceProfile], before: Plan, after: Plan) -> str | None:
-    """Why a move from ``before`` to ``after`` would not fit some device's memory cap
-    (``memory_bytes``: what the cap leaves the model; 0 for no cap), or None when it fits."""
-    in_memory = in_memory_fs(memory_dir(capped(profiles)))
+def move_held(
+    profiles: Sequence[DeviceProfile], before: Plan, after: Plan, where: Path
+) -> str | None:
+    """Why a move from ``before`` to ``after``, its checkpoint written under ``where``,
+    would not fit some device's memory cap (``memory_bytes``: what the cap leaves the model;
+    0 for no cap), or None when it fits."""
+    in_memory = in_memory_fs(where)
     for p, peak in zip(profiles, move_peaks(profiles, before, after, in_memory), strict=True):
         if 0 < p.memory_bytes < peak:
             return (
@@ -351,17 +354,18 @@ class Rebalancer:
             self.steps - step,
             cost,
         )
-        held = move_held(self.profiles, session.plan, mine.plan) if mine else None
+        where = Path(self.prefix).parent
+        held = move_held(self.profiles, session.plan, mine.plan, where) if mine else None
         offer = mine.to_dict() | {"held": held} if mine else None
         agreed = session.group.gather_object(offer)[0]  # rank 0's proposal stands
         if agreed is None:
             return None
-        chosen = Proposal.from_dict(agreed)
         if agreed["held"]:  # the run keeps its plan, with this speed as the new baseline
             self.watch.restart()
             if session.group.rank == 0:
                 self.emit({"kind": "rebalance_held", "step": step, "reason": agreed["held"]})
             return None
+        chosen = Proposal.from_dict(agreed)
         fresh, self.move_s = move(session, chosen.plan, self.prefix)
         self.watch.restart()
         if session.group.rank == 0:
