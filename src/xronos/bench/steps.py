@@ -8,6 +8,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from xronos.bench import solo as solo_steps
+from xronos.bench.solo import SoloTimes, median_or_none
 from xronos.comm.iothreads import restored
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
@@ -60,19 +62,6 @@ class BenchJob:
 def times_together(job: BenchJob, solo_ok: list[bool]) -> bool:
     """Whether the solo steps are also timed together: every device holds the model."""
     return job.solo and job.together and len(solo_ok) > 1 and all(solo_ok)
-
-
-@dataclass
-class SoloTimes:
-    """Per device, its counted solo steps: in turn (the others waiting: ``T_i^solo``) and
-    together (every device's at the same moment)."""
-
-    alone: list[list[float]]
-    together: list[list[float]]
-
-    @classmethod
-    def empty(cls, n: int) -> SoloTimes:
-        return cls([[] for _ in range(n)], [[] for _ in range(n)])
 
 
 @dataclass
@@ -248,11 +237,13 @@ class Run:
         ``ok``: per device, whether it steps in turn, and whether it can hold the model."""
         in_turn, solo_ok = ok
         mine = solo if in_turn[self.ctx.rank] else None
-        for r, t in enumerate(_solo_step(mine, micro, self.ctx)):
+        this_round = solo_steps.in_turn(mine, micro, self.ctx)
+        for r, t in enumerate(this_round):
             if t is not None and counted:
                 times.alone[r].append(t)
         if counted and times_together(self.job, solo_ok):
-            for r, t in enumerate(_together_step(solo, micro, self.ctx)):
+            cover_s = times.cover_s(this_round)
+            for r, t in enumerate(solo_steps.together(solo, micro, self.ctx, cover_s)):
                 if t is not None:
                     times.together[r].append(t)
 
@@ -306,41 +297,6 @@ class Run:
         if solo is not None:
             solo.close()
         return solo_times
-
-
-def _solo_time(session: Session | None, micro: list[Batch], ctx: WorkerContext) -> float | None:
-    """One step of this device's whole model alone (None where it has no solo session)."""
-    if session is None:
-        return None
-    rec = SpanRecorder(ctx.rank, ctx.device)
-    outcome = run_step(session, micro, TPGroup(), rec)
-    return outcome.records[0].duration if outcome.records else None
-
-
-def _solo_step(
-    session: Session | None, micro: list[Batch], ctx: WorkerContext
-) -> list[float | None]:
-    """Each device in turn runs one step of its whole model while the others wait; every
-    device's step time (None where it has no solo session), on every rank."""
-    out: list[float | None] = []
-    for r in range(ctx.world_size):
-        ctx.group.barrier()
-        t = _solo_time(session, micro, ctx) if r == ctx.rank else None
-        out.append(ctx.group.gather_object(t)[r])
-    return out
-
-
-def _together_step(
-    session: Session | None, micro: list[Batch], ctx: WorkerContext
-) -> list[float | None]:
-    """Every device runs one step of its whole model alone, all at the same moment (after
-    one barrier); every device's step time, on every rank."""
-    ctx.group.barrier()
-    return list(ctx.group.gather_object(_solo_time(session, micro, ctx)))
-
-
-def median_or_none(times: list[float]) -> float | None:
-    return statistics.median(times) if times else None
 
 
 def solo_medians(

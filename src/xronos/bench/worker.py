@@ -52,14 +52,8 @@ from xronos.bench.memory import (
     take_turns,
     verdicts,
 )
-from xronos.bench.steps import (
-    BenchJob,
-    Run,
-    StrategyLog,
-    median_or_none,
-    solo_medians,
-    times_together,
-)
+from xronos.bench.solo import median_or_none
+from xronos.bench.steps import BenchJob, Run, StrategyLog, solo_medians, times_together
 from xronos.comm.iothreads import restored
 from xronos.comm.launch import WorkerContext
 from xronos.metrics.rss import (
