@@ -6,7 +6,7 @@ first keeps stepping (uncounted steps of the same batch on its own solo model) u
 time the slowest device's step is expected to take has passed, so that every device's
 counted step runs, from start to end, beside the others' work. Without that cover the fast
 device of ``ci-2dev`` sat idle through about 60 % of the slow device's step, and the slow
-device's contention read between −8 and +6 % over runs; covered, +2.7 and +4.8 % in two
+device's contention read between −8 and +6 % over runs; covered, +1.3 to +6.1 % in seven
 runs (+5.9 % with the other core stepping throughout, measured apart from the bench).
 """
 
