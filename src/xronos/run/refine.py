@@ -11,8 +11,8 @@ steps of that plan, update included, timed per segment like calibration's passes
 (calibration's own :func:`~xronos.planner.calibrate.fit`, through the live balance check's
 :func:`~xronos.run.rebalance.replan`) and planning again gives the plan those steps call
 for.
-Where it differs and is predicted at least :data:`~xronos.run.rebalance.BALANCE_GAIN`
-faster, :mod:`xronos.run.trials` tries it too, against the same contenders, and the faster
+Where it differs and is predicted at least :data:`REFINE_GAIN` faster,
+:mod:`xronos.run.trials` tries it too, against the same contenders, and the faster
 measured of the two plans stands for the candidate. Nothing moves: the trials' sessions
 are thrown away anyway.
 """
@@ -27,7 +27,16 @@ from xronos.config import ModelConfig
 from xronos.planner.calibrate import Round
 from xronos.planner.plan import SEGMENTS, Plan
 from xronos.planner.profile import DeviceProfile
-from xronos.run.rebalance import BALANCE_GAIN, replan
+from xronos.run.rebalance import replan
+
+REFINE_GAIN = 0.02
+"""Least predicted saving, as a fraction of the step, for which a trial's re-plan is raced.
+Lower than a running plan's bar for a move (:data:`~xronos.run.rebalance.BALANCE_GAIN`,
+5 %): a race moves nothing and costs only trial steps. On ``ci-2dev`` two calibrations of
+one run can land an MLP unit apart (``47 : 17`` against ``48 : 16``), and the bench's
+``auto`` ran the first 4 % slower than ``xronos`` ran the second (two runs), while a refit
+predicts a one-unit move to save only 1–3 % of the step (the planner's model has the
+barriers' compute, not the waits a busy host adds) — under the 5 % bar, never raced."""
 
 StepTimes = list[dict[str, float]]
 """One step: every member's compute seconds per segment, in the group's rank order."""
@@ -80,7 +89,7 @@ def refine(
     chunks: tuple[int, int],
 ) -> Refinement | None:
     """The plan that ``steps`` (trial steps of ``plan``) call for, when it differs from
-    ``plan`` and is predicted at least :data:`BALANCE_GAIN` faster; else None.
+    ``plan`` and is predicted at least :data:`REFINE_GAIN` faster; else None.
 
     Args:
         key: the candidate's name in the trials.
@@ -95,6 +104,6 @@ def refine(
     if found is None:
         return None
     new, now_s, then_s = found
-    if now_s - then_s < BALANCE_GAIN * now_s:
+    if now_s - then_s < REFINE_GAIN * now_s:
         return None
     return Refinement(key, plan, new, now_s, then_s)
