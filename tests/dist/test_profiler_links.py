@@ -83,3 +83,35 @@ def test_the_barrier_cost_is_measured_over_links_with_emulated_latency() -> None
     # out at 0), and nobody late still shows none. Floors as above.
     assert all(s >= 0.005 for s in run_world(_sync_over_latency, 2, 0.02))
     assert all(s < 0.005 for s in run_world(_sync_over_latency, 2, 0.0))
+
+
+def _drift(ctx: WorkerContext, after_s: float) -> float:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import xronos.profiler.run as run
+
+    real = torch.mm
+    dist.barrier(group=ctx.group.pg)
+    switch = time.perf_counter() + after_s
+
+    def slower(*args: Any, **kwargs: Any) -> Any:  # the host slows both ranks alike
+        if time.perf_counter() > switch:
+            real(*args, **kwargs)
+        return real(*args, **kwargs)
+
+    run.torch.mm = slower  # type: ignore[attr-defined]
+    try:
+        return run.measure_sync(ctx.group, round_s=0.005)
+    finally:
+        run.torch.mm = real  # type: ignore[attr-defined]
+
+
+def test_a_host_that_slows_every_rank_mid_measurement_is_not_a_barrier_wait() -> None:
+    # Both ranks' kernel doubles in cost 0.12 s in (after the sizing and about one pass of
+    # 12 rounds of 5 ms): their rounds grow alike and nobody waits for anyone. A wait derived
+    # from rounds timed before and after the change would show the 5 ms a round the rounds
+    # grew by; a real barrier wait per round here is well under 1 ms — hence the 2 ms bound.
+    assert all(s < 0.002 for s in run_world(_drift, 2, 0.12))

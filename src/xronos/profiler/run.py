@@ -204,21 +204,28 @@ def _round_trip(
 SYNC_ROUND_S = 0.02
 """Mean compute per round of the barrier measurement: about the time between two
 all-reduces of a tensor-parallel step of a small model on a slow device."""
-SYNC_SPREAD = (0.3, 1.6, 0.7, 1.2, 0.4, 1.9, 0.9, 1.0, 0.5, 1.5, 0.8, 1.2)
+SYNC_SPREAD = (0.3, 1.6, 0.7, 1.2, 0.4, 1.9, 0.9, 1.0, 0.5, 1.5, 0.8, 1.2) * 2
 """Each round's length as a fraction of the mean (the same on every device): a step's
 barriers are unevenly spaced, so a device that runs in bursts meets them at every phase of
 its bursts, not at one it would lock into with equal rounds."""
+SYNC_PASSES = 3
+"""Passes of :data:`SYNC_SPREAD` the barrier measurement takes the median of: one
+preemption of a few tens of ms in a pass of ~0.5 s moves its mean wait by a millisecond,
+which a step of ~20 barriers would pay twenty times over in the prediction."""
 
 
 def measure_sync(group: TPGroup, round_s: float = SYNC_ROUND_S) -> float:
     """The mean wait per barrier beyond the slowest device's mean arrival, when every device
     brings the same mean compute to it (:attr:`DeviceProfile.sync_s`). Collective.
 
-    Each device sizes a fixed kernel to ``round_s`` of its own speed, times rounds of it
-    (lengths :data:`SYNC_SPREAD`) alone, then the same rounds each closed by a one-float
-    all-reduce; the barrier's cost is the slowest device's synced time minus the slowest
-    alone time minus the all-reduces' own, per round. A device that runs in bursts (a CFS
-    quota) or is preempted arrives late at random; the barrier waits for the latest."""
+    Each device sizes a fixed kernel to ``round_s`` of its own speed and runs rounds of it
+    (lengths :data:`SYNC_SPREAD`), each closed by a one-float all-reduce, timing its own
+    compute apart from the whole pass. A pass's barrier cost is its mean round minus the
+    slowest device's mean compute minus the all-reduce's own time (the slowest rank's): a
+    device that runs in bursts (a CFS quota) or is preempted arrives late at random, and the
+    barrier waits for the latest. Compute and rounds come from the same pass, so the host's
+    drift between two passes does not enter; the median of :data:`SYNC_PASSES` passes is
+    returned, the same on every rank."""
     if group.size == 1:
         return 0.0
     a, out, flag = torch.randn(96, 96), torch.empty(96, 96), torch.zeros(1)
@@ -229,21 +236,28 @@ def measure_sync(group: TPGroup, round_s: float = SYNC_ROUND_S) -> float:
         n += 20
     work = max(1, int(n / (time.perf_counter() - t0) * round_s))
 
-    def rounds_of(sync: bool) -> float:
+    def one_pass() -> tuple[float, float]:
+        """(mean compute, mean round) of one pass on this device."""
         dist.barrier(group=group.pg)
-        start = time.perf_counter()
+        compute, start = 0.0, time.perf_counter()
         for f in SYNC_SPREAD:
+            t0 = time.perf_counter()
             for _ in range(max(1, round(work * f))):
                 torch.mm(a, a, out=out)
-            if sync:  # the step's collective, emulated link latency included, as in latency
-                exchange.all_reduce(flag, group.pg)
-                group.link_wait(flag, "all_reduce")
-        return (time.perf_counter() - start) / len(SYNC_SPREAD)
+            compute += time.perf_counter() - t0
+            exchange.all_reduce(flag, group.pg)  # the step's collective, as in latency
+            group.link_wait(flag, "all_reduce")  # emulated link latency included
+        return compute / len(SYNC_SPREAD), (time.perf_counter() - start) / len(SYNC_SPREAD)
 
-    alone, synced = rounds_of(False), rounds_of(True)
+    passes = [one_pass() for _ in range(SYNC_PASSES)]
     latency = time_allreduce(group, 1)
-    times = group.gather_object((alone, synced))
-    return max(0.0, max(s for _, s in times) - max(a for a, _ in times) - latency)
+    ranks = group.gather_object((passes, latency))
+    slowest = max(lat for _, lat in ranks)
+    waits = [
+        max(r[i][1] for r, _ in ranks) - max(r[i][0] for r, _ in ranks) - slowest
+        for i in range(SYNC_PASSES)
+    ]
+    return max(0.0, statistics.median(waits))
 
 
 BULK_FACTOR = 4
