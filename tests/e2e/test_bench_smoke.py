@@ -68,6 +68,9 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert speeds["fast"]["asked"] == 1.0 and speeds["slow"]["asked"] == pytest.approx(0.4)
     assert speeds["slow"]["measured"] == pytest.approx(min(solo.values()) / solo["slow"])
     assert max(v["measured"] for v in speeds.values()) == 1.0
+    # the profiled wait per barrier is the group's: one median, the same on every device
+    waits = {link["barrier_wait_s"] for link in bench["links_measured"]}
+    assert len(waits) == 1 and min(waits) >= 0, bench["links_measured"]
     strategies = bench["strategies"]
     assert set(strategies) == {"auto", "xronos", "tp-even", "pp-gpipe", "pp-1f1b", "single"}
     # auto ran what it picked (or, for a hybrid, the best runnable) and says which

@@ -93,9 +93,15 @@ def build_report(
         d.name: when for d, when in zip(cluster.devices, out.io_restored, strict=False)
     }
     result["links_measured"] = [
-        {"name": p.name, **p.link.to_dict(), "sustained_bps": p.link.sustained_bps}
-        if p.link is not None
-        else {"name": p.name}
+        {
+            "name": p.name,
+            **(
+                {**p.link.to_dict(), "sustained_bps": p.link.sustained_bps}
+                if p.link is not None
+                else {}
+            ),
+            "barrier_wait_s": p.sync_s,
+        }
         for p in out.measured
     ]
     solo = out.solo_step_time_s
