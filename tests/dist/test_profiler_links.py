@@ -110,8 +110,9 @@ def _drift(ctx: WorkerContext, after_s: float) -> float:
 
 
 def test_a_host_that_slows_every_rank_mid_measurement_is_not_a_barrier_wait() -> None:
-    # Both ranks' kernel doubles in cost 0.12 s in (after the sizing and about one pass of
-    # 12 rounds of 5 ms): their rounds grow alike and nobody waits for anyone. A wait derived
-    # from rounds timed before and after the change would show the 5 ms a round the rounds
-    # grew by; a real barrier wait per round here is well under 1 ms — hence the 2 ms bound.
+    # Both ranks' kernel doubles in cost 0.12 s in (after the 0.05 s sizing, inside the
+    # first of three passes of 24 rounds of 5 ms): their rounds grow alike and nobody waits
+    # for anyone. A wait derived from rounds timed before the change against rounds timed
+    # after it would show the 5 ms a round they grew by; a real barrier wait per round here
+    # is well under 1 ms — hence the 2 ms bound.
     assert all(s < 0.002 for s in run_world(_drift, 2, 0.12))
