@@ -28,6 +28,7 @@ from xronos.metrics import (
     summarize,
     write_trace,
 )
+from xronos.planner.profile import DeviceProfile
 from xronos.train.session import Strategy
 from xronos.utils import atomic_write_text
 
@@ -92,18 +93,7 @@ def build_report(
     result["io_threads_restored"] = {
         d.name: when for d, when in zip(cluster.devices, out.io_restored, strict=False)
     }
-    result["links_measured"] = [
-        {
-            "name": p.name,
-            **(
-                {**p.link.to_dict(), "sustained_bps": p.link.sustained_bps}
-                if p.link is not None
-                else {}
-            ),
-            "barrier_wait_s": p.sync_s,
-        }
-        for p in out.measured
-    ]
+    result["links_measured"] = [measured_link(p) for p in out.measured]
     solo = out.solo_step_time_s
     result["solo_step_time_s"] = {d.name: t for d, t in zip(cluster.devices, solo, strict=True)}
     result["solo_speed"] = solo_speeds(cluster, solo)
@@ -121,6 +111,17 @@ def build_report(
     together_bound(result, cluster, solo, out.solo_together_step_time_s)
     result.update(meta)
     return result
+
+
+def measured_link(profile: DeviceProfile) -> dict[str, Any]:
+    """A device's link as its profile fitted it (none on one device), and the group's wait
+    per barrier."""
+    out: dict[str, Any] = {"name": profile.name}
+    if profile.link is not None:
+        out |= profile.link.to_dict()
+        out["sustained_bps"] = profile.link.sustained_bps
+    out["barrier_wait_s"] = profile.sync_s
+    return out
 
 
 def together_bound(
