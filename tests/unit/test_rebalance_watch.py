@@ -7,7 +7,7 @@ from tests.unit.test_calibrate import _profile as speed_profile
 from tests.unit.test_calibrate import _true_times as true_times
 from xronos.config import ModelConfig
 from xronos.planner import plan_tp
-from xronos.planner.calibrate import fit
+from xronos.planner.calibrate import Round, fit, typical
 from xronos.planner.plan import SEGMENTS, Plan
 from xronos.planner.solve import predict
 from xronos.run.rebalance import BALANCE_GAIN, COOLDOWN, WARMUP, WINDOW, SpeedWatch, propose
@@ -147,3 +147,35 @@ def test_the_balance_move_must_gain_enough_and_pay_for_itself() -> None:
     # 40 % off gains enough, but not over 2 steps left
     watch = _watched(plan, 1.4, WARMUP + WINDOW)
     assert propose(watch, PROFILES, plan, FINE, CHUNKS, steps_left=2, move_s=1.0) is None
+
+
+def test_a_few_stretched_steps_in_the_window_do_not_move_a_balanced_plan() -> None:
+    plan = plan_tp(FINE, PROFILES, mlp_chunk=CHUNKS[0], vocab_chunk=CHUNKS[1])
+    # The plan is balanced as calibrated, but a busy host stretched the slow device's
+    # compute 2.5-fold in two of the window's eight steps (the kind of stretch seen on a
+    # shared host during warm-up). Pooled as a mean, those two steps read as a device 38 %
+    # slower and the check would move units off it; its median steps say it is not.
+    watch = SpeedWatch()
+    for step in range(WARMUP + WINDOW):
+        stretched = step in (WARMUP + 1, WARMUP + 5)
+        watch.observe(plan, _measured(plan, 2.5 if stretched else 1.0))
+    assert watch.changed() is None
+    pooled = fit(PROFILES, list(watch.rounds))  # the mean's reading moves the plan ...
+    moved = plan_tp(FINE, pooled, mlp_chunk=CHUNKS[0], vocab_chunk=CHUNKS[1])
+    now, then = predict(plan, pooled)["step_time_s"], predict(moved, pooled)["step_time_s"]
+    assert now - then >= BALANCE_GAIN * now
+    # ... the check, reading the medians, keeps it
+    assert propose(watch, PROFILES, plan, FINE, CHUNKS, steps_left=1000, move_s=1.0) is None
+
+
+def test_typical_round_is_the_median_per_device_and_segment() -> None:
+    rounds = [Round(PLAN, _times(1.0, s)) for s in (1.0, 1.2, 5.0)]
+    (one,) = typical(rounds)
+    assert one.weight == 3.0
+    assert one.measured == _times(1.0, 1.2)
+    # rounds of different plans stay as they are: pooling them is what fits the curves
+    other = Plan.even(CFG, ("slow", "fast"))
+    assert typical([*rounds, Round(other, _times(1.0, 1.0))]) == [
+        *rounds,
+        Round(other, _times(1.0, 1.0)),
+    ]

@@ -128,6 +128,21 @@ def fit(profiles: Sequence[DeviceProfile], rounds: Sequence[Round]) -> list[Devi
     return out
 
 
+def typical(rounds: Sequence[Round]) -> list[Round]:
+    """Rounds of one plan as a single round of their medians, per device and segment (the
+    weights summed), so that a few steps a busy host stretched on one device do not read as
+    that device being slower; rounds of several plans are returned as they are (pooling
+    them is what tells the curves' shapes apart)."""
+    if len(rounds) < 3 or any(r.plan != rounds[0].plan for r in rounds):
+        return list(rounds)
+    keys = rounds[0].measured[0].keys()
+    medians = [
+        {k: statistics.median(r.measured[i][k] for r in rounds) for k in keys}
+        for i in range(len(rounds[0].measured))
+    ]
+    return [Round(rounds[0].plan, medians, sum(r.weight for r in rounds))]
+
+
 def settled(a: Plan, b: Plan) -> bool:
     """Whether two plans differ by at most one unit (or 1 %) per device and segment."""
     for s in SEGMENTS:

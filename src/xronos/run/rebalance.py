@@ -20,8 +20,9 @@ steps (the same refit and planner): a plan predicted to be at least :data:`BALAN
 faster moves the run too, if it pays for itself. A plan made from real steps (after a
 move) is not checked again.
 
-**Pays for itself.** The profiles are refitted to the recent steps with calibration's own
-fit (:func:`xronos.planner.calibrate.fit`), the exact planner plans again, and the move
+**Pays for itself.** The profiles are refitted to the recent steps (their medians, per
+device and segment) with calibration's own fit (:func:`xronos.planner.calibrate.fit`), the
+exact planner plans again, and the move
 goes ahead only when the predicted saving per step, over the steps left, exceeds twice what
 a move costs (measured at the last move; before any, :data:`FIRST_MOVE_STEPS` steps).
 
@@ -53,7 +54,7 @@ from typing import Any
 from xronos.config import ModelConfig
 from xronos.metrics.records import StepRecord
 from xronos.planner import plan_tp
-from xronos.planner.calibrate import Round, fit, segment_times
+from xronos.planner.calibrate import Round, fit, segment_times, typical
 from xronos.planner.memory import tp_need
 from xronos.planner.plan import SEGMENTS, Plan
 from xronos.planner.profile import DeviceProfile
@@ -212,9 +213,9 @@ def replan(
     chunks: tuple[int, int],
 ) -> tuple[Plan, float, float] | None:
     """The plan that ``rounds`` (real steps of ``plan``) call for, with the predicted step
-    of ``plan`` and of it at the speeds those steps show (``profiles`` fitted to them);
-    None when it is ``plan``."""
-    fitted = fit(list(profiles), list(rounds))
+    of ``plan`` and of it at the speeds those steps show (``profiles`` fitted to their
+    medians, :func:`~xronos.planner.calibrate.typical`); None when it is ``plan``."""
+    fitted = fit(list(profiles), typical(rounds))
     new = plan_tp(cfg, fitted, mlp_chunk=chunks[0], vocab_chunk=chunks[1])
     if all(new.split(s) == plan.split(s) for s in SEGMENTS):
         return None

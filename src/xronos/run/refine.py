@@ -7,7 +7,7 @@ passes can leave the plan out of balance (measured on ``ci-2dev`` at 1 Gbit/s: q
 12 : 4 where 13 : 3 balances, the fast device idle 95 ms a step; ``auto`` then found the
 plan no faster than the fast device alone, and trained alone). The trial steps are whole
 steps of that plan, update included, timed per segment like calibration's passes
-(:func:`~xronos.planner.calibrate.segment_times`). Fitting the profiles to them
+(:func:`~xronos.planner.calibrate.segment_times`). Fitting the profiles to their medians
 (calibration's own :func:`~xronos.planner.calibrate.fit`, through the live balance check's
 :func:`~xronos.run.rebalance.replan`) and planning again gives the plan those steps call
 for.
