@@ -22,9 +22,9 @@ move) is not checked again.
 
 **Pays for itself.** The profiles are refitted to the recent steps (their medians, per
 device and segment) with calibration's own fit (:func:`xronos.planner.calibrate.fit`), the
-exact planner plans again, and the move
-goes ahead only when the predicted saving per step, over the steps left, exceeds twice what
-a move costs (measured at the last move; before any, :data:`FIRST_MOVE_STEPS` steps).
+exact planner plans again, and the move goes ahead only when the predicted saving per
+step, over the steps left, exceeds twice what a move costs (measured at the last move;
+before any, :data:`FIRST_MOVE_STEPS` steps).
 
 **The move** is a checkpoint written by rank 0 (the other ranks send it their shards),
 read back under the new plan by every rank — the resharding checkpoint format, so the
