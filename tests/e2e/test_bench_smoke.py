@@ -24,6 +24,7 @@ KEYS = {
     "plan",
     "per_device",
     "speedup_vs_single",
+    "speedup_vs_single_interval",
 }
 # Same seed, same data, same mathematics: per-step losses agree to fp32 reassociation.
 LOSS_RTOL = 1e-4
@@ -47,7 +48,8 @@ def bench_model(path: Path) -> list[str]:
 def test_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     args = ["bench", "--scenario", "smoke", *bench_model(tmp_path / "model")]
-    assert main([*args, "--out", str(out), "--no-cache", *EXACT]) == 0
+    # four counted rounds (the scenario's three are too few for a speed-up interval)
+    assert main([*args, "--out", str(out), "--no-cache", "--steps", "4", *EXACT]) == 0
     bench = json.loads((out / "bench.json").read_text())
     assert {"scenario", "model", "devices", "ideal_step_time_s", "strategies"} <= bench.keys()
     # uncached: profiling took time, and xronos's planning (calibration) more on top of it
@@ -87,6 +89,9 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert entry.keys() >= KEYS, name
         assert entry["efficiency_together"] == pytest.approx(both / entry["step_time_s"]), name
         assert 0 <= entry["idle_ratio_mean"] <= entry["idle_ratio_max"] <= 1, name
+        # every strategy ran the same counted rounds as single: each has an interval
+        lo, hi = entry["speedup_vs_single_interval"]
+        assert 0 < lo <= hi, name
         for dev in entry["per_device"]:
             assert {"name", "compute_s", "transfer_s", "idle_s"} <= dev.keys()
             assert min(dev["compute_s"], dev["transfer_s"], dev["idle_s"]) >= 0
@@ -107,6 +112,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert len(rnd["measured_s"]) == 2
         assert all(m["mlp"] > 0 for m in rnd["measured_s"])
     assert strategies["single"]["speedup_vs_single"] == pytest.approx(1.0)
+    # single against its own rounds: every resample's ratio is one
+    assert strategies["single"]["speedup_vs_single_interval"] == pytest.approx([1.0, 1.0])
     assert solo["fast"] == pytest.approx(strategies["single"]["step_time_s"])
     ref = strategies["single"]["losses"]
     for name in ("auto", "xronos", "tp-even", "pp-gpipe", "pp-1f1b"):

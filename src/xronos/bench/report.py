@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from xronos.bench.scenarios import Scenario
+from xronos.bench.spread import speedup_interval
 from xronos.bench.worker import BenchOutput, StrategyLog
 from xronos.config import ModelConfig
 from xronos.emulation import ClusterSpec
@@ -98,6 +99,7 @@ def build_report(
     result["solo_step_time_s"] = {d.name: t for d, t in zip(cluster.devices, solo, strict=True)}
     result["solo_speed"] = solo_speeds(cluster, solo)
     single = result["strategies"].get("single", {}).get("step_time_s") or solo[fastest]
+    single_steps = result["strategies"].get("single", {}).get("step_time_s_all") or []
     known = [t for t in solo if t]
     # DESIGN §6: the compute bound, from every device's measured solo step; no transfer term
     ideal = ideal_step_time(known) if len(known) == len(solo) else None
@@ -108,9 +110,17 @@ def build_report(
             continue
         entry["efficiency"] = efficiency(ideal, step) if ideal else None
         entry["speedup_vs_single"] = single / step if single else None
+        entry["speedup_vs_single_interval"] = interval(single_steps, entry)
     together_bound(result, cluster, solo, out.solo_together_step_time_s)
     result.update(meta)
     return result
+
+
+def interval(single_steps: list[float], entry: dict[str, Any]) -> list[float] | None:
+    """The strategy's speed-up over ``single`` as a 95 % interval over resampled rounds
+    (:mod:`xronos.bench.spread`), where both ran the same counted rounds."""
+    found = speedup_interval(single_steps, entry.get("step_time_s_all") or [])
+    return list(found) if found else None
 
 
 def measured_link(profile: DeviceProfile) -> dict[str, Any]:

@@ -304,6 +304,8 @@ def bench_once(
             )
     write_outputs(result, out_dir, out)
     print(format_bench_table(result))
+    if spread := interval_line(result):
+        print(spread)
     if speeds := result.get("solo_speed"):
         print(
             "speeds during the run (solo step against the fastest device's; asked): "
@@ -318,6 +320,20 @@ def bench_once(
         + f"{', cached' if cached else ''}); wrote {out_dir}/bench.json, bench.png"
     )
     return result
+
+
+def interval_line(result: dict[str, Any]) -> str | None:
+    """Each strategy's speed-up over ``single`` with its 95 % interval over resampled
+    rounds (:mod:`xronos.bench.spread`); None where no strategy has one."""
+    parts = [
+        f"{n} {e['speedup_vs_single']:.2f}x ({lo:.2f}-{hi:.2f})"
+        for n, e in result["strategies"].items()
+        if n != "single" and e.get("speedup_vs_single_interval")
+        for lo, hi in [e["speedup_vs_single_interval"]]
+    ]
+    if not parts:
+        return None
+    return "x single, 95 % interval over the rounds resampled: " + ", ".join(parts)
 
 
 def together_line(result: dict[str, Any], contention: dict[str, float]) -> str:
