@@ -94,6 +94,7 @@ def _bench(single: float, steps: dict[str, float], chosen: str, link: str) -> di
         name: {
             "step_time_s": t,
             "speedup_vs_single": single / t,
+            "speedup_vs_single_interval": [0.9 * single / t, 1.1 * single / t],
             "predicted_step_time_s": t * 0.9,
         }
         for name, t in steps.items()
@@ -128,6 +129,9 @@ def test_crossover_record_has_each_links_ratios_pick_and_mechanisms() -> None:
     assert first["link"] == "loopback" and first["bandwidth_bps"] is None
     assert first["strategies"]["xronos"]["step_over_single"] == pytest.approx(0.8)
     assert first["strategies"]["xronos"]["predicted_step_time_s"] == pytest.approx(0.36)
+    # the speed-up's interval, turned like the ratio itself into step ÷ single
+    interval = first["strategies"]["xronos"]["step_over_single_interval"]
+    assert interval == pytest.approx([0.8 / 1.1, 0.8 / 0.9])
     assert first["single_step_time_s"] == pytest.approx(0.5)
     assert slow["strategies"]["xronos"]["step_over_single"] == pytest.approx(1.6)
     assert [e["auto_chosen"] for e in doc["links"]] == ["xronos", "xronos", "single", "single"]

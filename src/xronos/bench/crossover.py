@@ -118,6 +118,14 @@ def mechanisms(bench: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _over(interval: Any) -> list[float] | None:
+    """A speed-up interval over ``single`` as the interval of step ÷ ``single``."""
+    if not isinstance(interval, list | tuple) or len(interval) != 2:
+        return None
+    lo, hi = (_num(v) for v in interval)
+    return [1 / hi, 1 / lo] if lo and hi else None
+
+
 def link_entry(link: SweepLink, bench: Mapping[str, Any]) -> dict[str, Any]:
     """One row of ``crossover.json`` from that link's ``bench.json``."""
     strategies: Mapping[str, Mapping[str, Any]] = bench.get("strategies", {})
@@ -127,6 +135,7 @@ def link_entry(link: SweepLink, bench: Mapping[str, Any]) -> dict[str, Any]:
         rows[name] = {
             "step_time_s": _num(entry.get("step_time_s")),
             "step_over_single": 1 / speedup if speedup else None,
+            "step_over_single_interval": _over(entry.get("speedup_vs_single_interval")),
             "predicted_step_time_s": _num(entry.get("predicted_step_time_s")),
         }
     auto = strategies.get("auto", {})

@@ -7,7 +7,9 @@ about the same moment; the host's drift hits a round's steps alike. Resampling w
 to ``median(single) / median(strategy)``, while a drift shared by a round's steps cancels
 in the ratio. A strategy whose steps are ``single``'s times a constant gets an interval of
 that one value; two strategies whose intervals overlap widely were not told apart by the
-run (``--steps`` takes more rounds).
+run (``--steps`` takes more rounds). Where memory caps make the bench run strategies in
+turn, step ``i`` of two strategies did not run together: the interval is still a bootstrap
+of the ratio, but a drift no longer cancels in it.
 """
 
 from __future__ import annotations
