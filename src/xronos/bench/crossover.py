@@ -119,10 +119,9 @@ def mechanisms(bench: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _over(interval: Any) -> list[float] | None:
-    """A speed-up interval over ``single`` as the interval of step ÷ ``single``."""
-    if not isinstance(interval, list | tuple) or len(interval) != 2:
-        return None
-    lo, hi = (_num(v) for v in interval)
+    """A speed-up interval over ``single`` as the interval of step ÷ ``single`` (None
+    where the run gave none)."""
+    lo, hi = (_num(v) for v in interval) if interval else (None, None)
     return [1 / hi, 1 / lo] if lo and hi else None
 
 

@@ -110,17 +110,13 @@ def build_report(
             continue
         entry["efficiency"] = efficiency(ideal, step) if ideal else None
         entry["speedup_vs_single"] = single / step if single else None
-        entry["speedup_vs_single_interval"] = interval(single_steps, entry)
+        # a 95 % interval over the counted rounds resampled (xronos.bench.spread)
+        entry["speedup_vs_single_interval"] = speedup_interval(
+            single_steps, entry.get("step_time_s_all") or []
+        )
     together_bound(result, cluster, solo, out.solo_together_step_time_s)
     result.update(meta)
     return result
-
-
-def interval(single_steps: list[float], entry: dict[str, Any]) -> list[float] | None:
-    """The strategy's speed-up over ``single`` as a 95 % interval over resampled rounds
-    (:mod:`xronos.bench.spread`), where both ran the same counted rounds."""
-    found = speedup_interval(single_steps, entry.get("step_time_s_all") or [])
-    return list(found) if found else None
 
 
 def measured_link(profile: DeviceProfile) -> dict[str, Any]:

@@ -48,7 +48,5 @@ def speedup_interval(
             statistics.median(single[i] for i in picks) / statistics.median(steps[i] for i in picks)
         )
     ratios.sort()
-    tail = (1.0 - LEVEL) / 2
-    lo = ratios[int(tail * (resamples - 1))]
-    hi = ratios[round((1.0 - tail) * (resamples - 1))]
-    return lo, hi
+    k = round((1.0 - LEVEL) / 2 * (resamples - 1))  # as many resamples cut from each tail
+    return ratios[k], ratios[-1 - k]
