@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from xronos.emulation.cgroups import detect
+from xronos.emulation.hierarchies import detect
 
 ROOT = Path("/sys/fs/cgroup")
 

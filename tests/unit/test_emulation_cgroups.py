@@ -28,8 +28,8 @@ from xronos.emulation import (
     DeviceSlot,
     DeviceSpec,
     Emulator,
-    cgroups,
     cleanup_stale,
+    hierarchies,
     throttle,
 )
 from xronos.emulation.cgroups import CgroupV1, CgroupV2, Limits, quota_and_period
@@ -43,7 +43,7 @@ def _probe() -> str | None:
     """Why real cgroup tests cannot run here, or None when they can."""
     if os.geteuid() != 0:
         return "needs root to write cgroups"
-    hierarchy = cgroups.detect()
+    hierarchy = hierarchies.detect()
     if hierarchy is None:
         return "no cgroup hierarchy mounted"
     if "cpu" not in hierarchy.available():
@@ -68,7 +68,7 @@ def run_id() -> str:
 def leftover_dirs(run: str) -> list[Path]:
     """Every cgroup directory of the run, in any hierarchy, at the mount roots or below this
     process's own cgroups."""
-    hierarchy = cgroups.detect()
+    hierarchy = hierarchies.detect()
     roots: set[Path] = set()
     if isinstance(hierarchy, CgroupV1):
         roots = set(hierarchy.parents.values())
@@ -195,7 +195,7 @@ def test_detect_prefers_v1_controllers_on_a_hybrid_host(tmp_path: Path) -> None:
         + f"cgroup2 {tmp_path}/unified cgroup2 rw 0 0\n"
     )
     own = "4:memory:/jobs/42\n3:cpuset:/\n1:cpu:/\n0::/\n"
-    hierarchy = cgroups.detect(*write_proc_files(tmp_path, mounts, own))
+    hierarchy = hierarchies.detect(*write_proc_files(tmp_path, mounts, own))
     assert isinstance(hierarchy, CgroupV1)
     assert hierarchy.parents == {
         "cpu": tmp_path / "cpu",
@@ -206,23 +206,69 @@ def test_detect_prefers_v1_controllers_on_a_hybrid_host(tmp_path: Path) -> None:
 
 def test_detect_co_mounted_cpu_and_cpuacct(tmp_path: Path) -> None:
     mounts = f"cgroup {tmp_path}/cpu,cpuacct cgroup rw,cpu,cpuacct 0 0\n"
-    hierarchy = cgroups.detect(*write_proc_files(tmp_path, mounts, "2:cpu,cpuacct:/\n"))
+    hierarchy = hierarchies.detect(*write_proc_files(tmp_path, mounts, "2:cpu,cpuacct:/\n"))
     assert isinstance(hierarchy, CgroupV1)
     assert hierarchy.parents == {"cpu": tmp_path / "cpu,cpuacct"}
 
 
-def test_detect_unified_v2(tmp_path: Path) -> None:
+def unified(tmp_path: Path, passed: dict[str, str], own: str) -> CgroupV2:
+    """A v2 mount at ``tmp_path/cg`` offering cpuset, cpu, io, memory and pids, whose
+    cgroups (relative paths, "" = the root) pass ``passed`` to their children."""
+    mount = tmp_path / "cg"
+    for rel, controllers in passed.items():
+        (mount / rel).mkdir(parents=True, exist_ok=True)
+        (mount / rel / "cgroup.subtree_control").write_text(controllers + "\n")
+    (mount / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    mounts = f"proc /proc proc rw 0 0\ncgroup2 {mount} cgroup2 rw,nsdelegate 0 0\n"
+    hierarchy = hierarchies.detect(*write_proc_files(tmp_path, mounts, f"0::{own}\n"))
+    assert isinstance(hierarchy, CgroupV2)
+    return hierarchy
+
+
+def test_detect_v2_makes_groups_at_the_root_when_no_ancestor_passes_the_controllers(
+    tmp_path: Path,
+) -> None:
+    # A systemd host: our own scope holds this process, so v2 refuses to pass controllers
+    # to children there (EBUSY); no slice above passes cpuset: only the root can host them.
+    hierarchy = unified(
+        tmp_path,
+        {"": "cpu memory pids", "user.slice": "memory pids", "user.slice/s.scope": ""},
+        "/user.slice/s.scope",
+    )
+    assert hierarchy.parent == tmp_path / "cg"
+    assert f"not in this process's own cgroup {tmp_path}/cg/user.slice/s.scope" in (
+        hierarchy.placement
+    )
+
+
+def test_detect_v2_makes_groups_in_the_nearest_ancestor_that_passes_the_controllers(
+    tmp_path: Path,
+) -> None:
+    hierarchy = unified(
+        tmp_path,
+        {"": "cpuset cpu io memory pids", "jobs": "cpuset cpu memory", "jobs/a/b": ""},
+        "/jobs/a/b",
+    )
+    assert hierarchy.parent == tmp_path / "cg" / "jobs"
+
+
+def test_detect_v2_keeps_groups_below_its_own_cgroup_at_the_root(tmp_path: Path) -> None:
+    hierarchy = unified(tmp_path, {"": "", "other.slice": "cpuset cpu memory"}, "/")
+    assert hierarchy.parent == tmp_path / "cg" and hierarchy.placement == ""
+
+
+def test_detect_v2_without_a_readable_root_keeps_its_own_cgroup(tmp_path: Path) -> None:
     (tmp_path / "user.slice" / "job.scope").mkdir(parents=True)
     mounts = f"proc /proc proc rw 0 0\ncgroup2 {tmp_path} cgroup2 rw,nsdelegate 0 0\n"
     own = "0::/user.slice/job.scope\n"
-    hierarchy = cgroups.detect(*write_proc_files(tmp_path, mounts, own))
+    hierarchy = hierarchies.detect(*write_proc_files(tmp_path, mounts, own))
     assert isinstance(hierarchy, CgroupV2)
     assert hierarchy.parent == tmp_path / "user.slice" / "job.scope"
 
 
 def test_detect_none_without_cgroup_mounts(tmp_path: Path) -> None:
     mounts = "proc /proc proc rw 0 0\ntmpfs /tmp tmpfs rw 0 0\n"
-    assert cgroups.detect(*write_proc_files(tmp_path, mounts, "0::/\n")) is None
+    assert hierarchies.detect(*write_proc_files(tmp_path, mounts, "0::/\n")) is None
 
 
 def test_quota_and_period() -> None:

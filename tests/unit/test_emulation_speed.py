@@ -8,11 +8,12 @@ import math
 import os
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from xronos.emulation import ClusterSpec, DeviceSpec, Emulator, cgroups, speed
+from xronos.emulation import ClusterSpec, DeviceSpec, Emulator, hierarchies, speed
 from xronos.emulation.cgroups import CgroupV1, CgroupV2, Group, Limits
 from xronos.emulation.probe import ProbeError
 from xronos.emulation.report import ReportInput, emulator_report
@@ -345,6 +346,19 @@ def test_report_is_built_from_plain_data_and_shows_a_lengthened_period() -> None
     assert "cpu sets: cgroup v1 cpuset + sched_setaffinity" in lines
     assert lines[-1].startswith("speed: device slow: asked 0.40, got 0.40 (cgroup v1 quota 0.410")
     assert lines[-1].endswith("2 settings tried); period lengthened from 2.5 ms")
+    assert not any(line.startswith("cgroups:") for line in lines)
+
+
+def test_report_says_where_v2_device_groups_were_made() -> None:
+    cluster = ClusterSpec("c", (DeviceSpec("fast", 1, 1.0), DeviceSpec("slow", 1, 0.4)))
+    groups = (Group("a", [], ["cpu"]), Group("b", [], ["cpu"]))
+    data = ReportInput(cluster, (0, 1), ((0,), (1,)), 10_000, ("cgroup v2",) * 2,
+                       {"placement": "device groups under /cg"}, "v2", groups, False, None,
+                       None)  # fmt: skip
+    assert "cgroups: device groups under /cg" in emulator_report(data)
+    # no group took a limit (all fell back): where they were made is not worth a line
+    bare = replace(data, groups=(Group("a", []), Group("b", [])))
+    assert not any(line.startswith("cgroups:") for line in emulator_report(bare))
 
 
 # ----------------------------------------------------------------------------- real cgroups
@@ -353,7 +367,7 @@ def test_report_is_built_from_plain_data_and_shows_a_lengthened_period() -> None
 def _cgroups_usable() -> str | None:
     if os.geteuid() != 0:
         return "needs root to write cgroups"
-    h = cgroups.detect()
+    h = hierarchies.detect()
     if h is None or "cpu" not in h.available():
         return "no cgroup cpu controller"
     return None

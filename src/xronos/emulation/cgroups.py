@@ -11,7 +11,10 @@ Three controllers matter to Xronos:
 A process joins a group by writing its pid to ``cgroup.procs`` (v1: in every hierarchy;
 v2: once); all its threads move with it and threads it creates later are born inside.
 Device groups are created below the cgroups of the process that creates them, so limits
-that already apply to it keep applying. Nothing here decides policy: :mod:`limits` does.
+that already apply to it keep applying; on v2 only where that cgroup is the root, since v2
+passes controllers only to the children of the root or of a cgroup that holds no processes,
+and the creating process's own cgroup holds it (:mod:`hierarchies`). Nothing here
+decides policy: :mod:`limits` does.
 """
 
 from __future__ import annotations
@@ -101,6 +104,8 @@ class Hierarchy:
     """Where device groups are made and how limits are written; see the subclasses."""
 
     version = ""
+    placement = ""
+    """Where device groups are made, when not below this process's own cgroups."""
 
     def available(self) -> tuple[str, ...]:
         """Controllers among :data:`CONTROLLERS` that this host offers."""
@@ -246,8 +251,9 @@ class CgroupV2(Hierarchy):
 
     version = "v2"
 
-    def __init__(self, parent: Path) -> None:
+    def __init__(self, parent: Path, placement: str = "") -> None:
         self.parent = parent
+        self.placement = placement
 
     def available(self) -> tuple[str, ...]:
         try:
@@ -318,65 +324,3 @@ class CgroupV2(Hierarchy):
             with contextlib.suppress(OSError):
                 _write(kill, "1")
         return destroy_dirs(group.dirs, timeout_s)
-
-
-# ----------------------------------------------------------------------------- detection
-
-
-def _unescape(field_: str) -> str:
-    """Mount points in /proc/mounts escape space, tab, newline and backslash as octal."""
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field_ = field_.replace(code, char)
-    return field_
-
-
-def _own_paths(self_cgroup: str) -> dict[str, str]:
-    """``/proc/self/cgroup`` -> {controller: path}; the v2 entry is under key ``""``."""
-    paths: dict[str, str] = {}
-    for line in self_cgroup.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) == 3:
-            for controller in parts[1].split(",") if parts[1] else [""]:
-                paths[controller] = parts[2]
-    return paths
-
-
-def _below(mountpoint: Path, own: str | None) -> Path:
-    """This process's cgroup directory, or the mount root where the path is not visible
-    (a container without its own cgroup namespace)."""
-    if own:
-        candidate = mountpoint / own.lstrip("/")
-        if candidate.is_dir():
-            return candidate
-    return mountpoint
-
-
-def detect(
-    mounts: str | os.PathLike[str] = "/proc/mounts",
-    self_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
-) -> Hierarchy | None:
-    """The hierarchy to use: v1 if any of cpu/cpuset/memory is mounted as v1 (hybrid hosts
-    included), else v2 if a unified hierarchy is mounted, else None."""
-    try:
-        mount_lines = Path(mounts).read_text().splitlines()
-        own = _own_paths(Path(self_cgroup).read_text())
-    except OSError:
-        return None
-    v1: dict[str, Path] = {}
-    v2_mount: Path | None = None
-    for line in mount_lines:
-        parts = line.split()
-        if len(parts) < 4:
-            continue
-        mountpoint, fstype, options = Path(_unescape(parts[1])), parts[2], parts[3].split(",")
-        if fstype == "cgroup":
-            for controller in CONTROLLERS:
-                if controller in options:
-                    v1[controller] = _below(mountpoint, own.get(controller))
-        elif fstype == "cgroup2" and v2_mount is None:
-            v2_mount = mountpoint
-    if v1:
-        return CgroupV1(v1)
-    if v2_mount is not None:
-        return CgroupV2(_below(v2_mount, own.get("")))
-    return None

@@ -34,7 +34,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, Literal
 
-from xronos.emulation import cgroups, netns
+from xronos.emulation import cgroups, hierarchies, netns
 from xronos.emulation.cgroups import Group, Hierarchy, Limits
 from xronos.emulation.cluster import ClusterSpec
 from xronos.emulation.network import Links, start_links
@@ -113,7 +113,8 @@ class Emulator:
         self.mechanism: Mechanism = mechanism
         self.period_us = period_us
         self.check_speed = check_speed
-        self.hierarchy: Hierarchy | None = cgroups.detect() if hierarchy is _DETECT else hierarchy
+        detected = hierarchies.detect() if hierarchy is _DETECT else hierarchy
+        self.hierarchy: Hierarchy | None = detected
         self.host_cpus = sorted(os.sched_getaffinity(0))
         devices = cluster.devices
         self.cpus = assign_cpus(
@@ -384,7 +385,7 @@ class Emulator:
                 cpus=tuple(self.cpus),
                 period_us=self.period_us,
                 cpu_mechanism=tuple(self.cpu_mechanism),
-                notes=dict(self.notes),
+                notes=dict(self.notes, placement=h.placement) if h else dict(self.notes),
                 hierarchy_version=h.version if h is not None else None,
                 groups=tuple(self.groups),
                 network=self.network,

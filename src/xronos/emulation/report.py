@@ -33,7 +33,8 @@ class ReportInput:
     cpu_mechanism: Sequence[str]
     """Per rank: ``cgroup v1``, ``cgroup v2``, ``duty-cycle`` or ``none``."""
     notes: Mapping[str, str]
-    """Why a mechanism is not in force, keyed ``cgroups``, ``cpu``, ``period``, ``network``."""
+    """Why a mechanism is not in force, keyed ``cgroups``, ``cpu``, ``period``, ``network``;
+    ``placement``: where device groups are made, when not below this process's cgroup."""
     hierarchy_version: str | None
     """``v1``, ``v2`` or None without a cgroup hierarchy."""
     groups: Sequence[Group | None]
@@ -100,6 +101,8 @@ def emulator_report(emu: ReportInput) -> list[str]:
     cpuset_ok = version is not None and all(g is not None and "cpuset" in g.applied for g in groups)
     cpuset = f"cgroup {version} cpuset + " if cpuset_ok else ""
     lines.append(f"cpu sets: {cpuset}sched_setaffinity")
+    if emu.notes.get("placement") and any(g is not None and g.applied for g in groups):
+        lines.append(f"cgroups: {emu.notes['placement']}")
     if all(d.memory_bytes is None for d in devices):
         lines.append("memory cap: none requested")
     elif version is not None and all(
