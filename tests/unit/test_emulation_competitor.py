@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from xronos.emulation import ClusterSpec, DeviceSpec, Emulator, throttle
+from xronos.emulation import ClusterSpec, DeviceSpec, Emulator, competitor, throttle
 from xronos.emulation.competitor import MECHANISM, Competitor, available
 from xronos.errors import UserError
 
@@ -135,3 +135,41 @@ def test_emulator_puts_a_load_on_the_slow_devices_cpu_and_no_quota(tmp_path: Pat
     with contextlib.suppress(subprocess.TimeoutExpired):
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids)  # stopped at teardown
+
+
+def _refuse_first(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make the first ``sched_setscheduler`` fail as a cgroup without real-time time does."""
+    calls: list[int] = []
+
+    def setscheduler(pid: int, policy: int, param: os.sched_param) -> None:
+        calls.append(policy)
+        if len(calls) == 1:
+            raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(competitor.os, "sched_setscheduler", setscheduler)
+    monkeypatch.setattr(competitor.os, "sched_setaffinity", lambda pid, cpus: None)
+    return calls
+
+
+def test_refused_real_time_moves_the_helper_to_the_v2_root_and_retries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Real-time group scheduling on cgroup v2 refuses SCHED_FIFO below the root cgroup.
+    (tmp_path / "cgroup.procs").write_text("")
+    (tmp_path / "mounts").write_text(f"proc /proc proc rw 0 0\ncgroup2 {tmp_path} cgroup2 rw 0 0\n")
+    monkeypatch.setattr(competitor, "MOUNTS", str(tmp_path / "mounts"))
+    calls = _refuse_first(monkeypatch)
+    competitor._become_realtime(0)
+    assert calls == [os.SCHED_FIFO, os.SCHED_FIFO]
+    assert (tmp_path / "cgroup.procs").read_text() == str(os.getpid())
+
+
+def test_refused_real_time_without_a_v2_root_stays_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "mounts").write_text(f"cgroup {tmp_path} cgroup rw,cpu 0 0\n")
+    monkeypatch.setattr(competitor, "MOUNTS", str(tmp_path / "mounts"))
+    calls = _refuse_first(monkeypatch)
+    with pytest.raises(PermissionError):
+        competitor._become_realtime(0)
+    assert calls == [os.SCHED_FIFO]

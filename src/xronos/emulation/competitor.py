@@ -15,9 +15,10 @@ device gets ``speed`` of its CPU at millisecond granularity, and a message never
 than one busy slice (0.6 ms at speed 0.4). The device itself stays a cgroup (CPU set + CPU
 controller, no quota): a program started inside it shares the device's remaining time, as
 on a real device. The helper needs the right to use ``SCHED_FIFO`` (root, outside any cgroup
-with no real-time budget); :func:`available` checks that, and the emulator falls back to a
-CFS quota where it is missing. The kernel keeps 5 % of every CPU for ordinary tasks, so
-speeds below :data:`MIN_SPEED` cannot be made this way.
+with no real-time budget: where the kernel schedules real-time tasks by group on cgroup v2,
+only the root cgroup has one, and the helper moves there); :func:`available` checks that,
+and the emulator falls back to a CFS quota where it is missing. The kernel keeps 5 % of
+every CPU for ordinary tasks, so speeds below :data:`MIN_SPEED` cannot be made this way.
 
 The helper leaves its CPU when told to stop (SIGTERM/SIGINT) and when the process that
 started it is gone. This file runs as a script and imports only the standard library.
@@ -74,9 +75,34 @@ def _spin(busy_s: float, period_s: float, owner: int) -> None:
                 break
 
 
+MOUNTS = "/proc/mounts"
+
+
 def _become_realtime(cpu: int) -> None:
     os.sched_setaffinity(0, {cpu})
-    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    except PermissionError:
+        # With real-time group scheduling on cgroup v2, only the root cgroup has real-time
+        # time; a helper started in a child cgroup runs from the root where it may move.
+        if not _join_v2_root():
+            raise
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+
+
+def _join_v2_root() -> bool:
+    """Move this process into the root of the unified cgroup hierarchy; False where there
+    is none or the move is refused."""
+    try:
+        with open(MOUNTS) as f:
+            roots = [p[1] for p in map(str.split, f) if len(p) > 2 and p[2] == "cgroup2"]
+        if not roots:
+            return False
+        with open(os.path.join(roots[0], "cgroup.procs"), "w") as procs:
+            procs.write(str(os.getpid()))
+        return True
+    except OSError:
+        return False
 
 
 def available() -> str | None:
