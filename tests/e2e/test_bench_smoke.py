@@ -4,12 +4,13 @@ docs/benchmarks.md, measured by the full scenarios)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.hf_models import make_checkpoint
-from xronos.cli import main
 
 KEYS = {
     "step_time_s",
@@ -48,8 +49,18 @@ def bench_model(path: Path) -> list[str]:
 def test_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     args = ["bench", "--scenario", "smoke", *bench_model(tmp_path / "model")]
-    # four counted rounds (the scenario's three are too few for a speed-up interval)
-    assert main([*args, "--out", str(out), "--no-cache", "--steps", "4", *EXACT]) == 0
+    # four counted rounds (the scenario's three are too few for a speed-up interval); a
+    # process of its own, so that its workers' stderr is its own too (workers start from a
+    # fork server, which keeps the stderr of whichever test started it first)
+    argv = [*args, "--out", str(out), "--no-cache", "--steps", "4", *EXACT]
+    done = subprocess.run(
+        [sys.executable, "-m", "xronos", *argv], capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # progress came from the first device's process while it worked, once per line
+    err = done.stderr
+    assert err.count("bench: profiled in ") == 1 and err.count("bench: auto ready, runs ") == 1
+    assert err.count("bench: step 5 of 5 (counted)") == 1
     bench = json.loads((out / "bench.json").read_text())
     assert {"scenario", "model", "devices", "ideal_step_time_s", "strategies"} <= bench.keys()
     # uncached: profiling took time, and xronos's planning (calibration) more on top of it

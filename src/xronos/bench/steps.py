@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from xronos.bench import solo as solo_steps
+from xronos.bench.progress import Progress
 from xronos.bench.solo import SoloTimes, median_or_none
 from xronos.comm.iothreads import restored
 from xronos.comm.launch import WorkerContext
@@ -125,8 +126,10 @@ class Run:
         profiles: Callable[[], list[DeviceProfile]],
         peak: PeakRSS,
         logs: dict[Strategy, StrategyLog],
+        progress: Progress,
     ) -> None:
         self.job, self.ctx, self.profiles, self.peak, self.logs = job, ctx, profiles, peak, logs
+        self.progress = progress
         self.peaks: dict[Strategy, int] = {}
         """Per strategy: this process's peak resident bytes during its steps (its turn)."""
         self.starts: dict[Strategy, int] = {}
@@ -161,6 +164,8 @@ class Run:
                 "refined": opened.refined,
                 "seconds": opened.seconds,
             }
+        runs = f", runs {self.auto['chosen_strategy']}" if s is Strategy.AUTO and self.auto else ""
+        self.progress.say(f"{s.value} ready{runs}")
         return opened.session if opened else None
 
     def _watch(self, s: Strategy, opened: Opened | None) -> None:
@@ -265,6 +270,7 @@ class Run:
                 self.peaks[s] = max(self.peaks.get(s, 0), self.peak.peak_bytes())
             if job.solo:
                 self._solo_round(solo, micro, step >= job.warmup, ok, solo_times)
+            self.progress.step(step + 1, job.warmup + job.steps, job.warmup)
         if solo is not None:
             solo.close()
         for s in runs:
@@ -283,6 +289,7 @@ class Run:
             for step in range(job.warmup + job.steps):
                 micro = data.next_step()
                 session = self._step(s, session, micro, step)
+                self.progress.step(step + 1, job.warmup + job.steps, job.warmup, f"{s.value}: ")
             self._finish(s, session, micro, iso=s.is_pipeline)
             self.peaks[s] = self.peak.peak_bytes()
             del session
@@ -294,6 +301,7 @@ class Run:
             data = self._data()
             for step in range(job.warmup + job.steps):
                 self._solo_round(solo, data.next_step(), step >= job.warmup, ok, solo_times)
+                self.progress.step(step + 1, job.warmup + job.steps, job.warmup, "solo: ")
         if solo is not None:
             solo.close()
         return solo_times

@@ -52,6 +52,7 @@ from xronos.bench.memory import (
     take_turns,
     verdicts,
 )
+from xronos.bench.progress import Progress
 from xronos.bench.solo import median_or_none
 from xronos.bench.steps import BenchJob, Run, StrategyLog, solo_medians, times_together
 from xronos.comm.iothreads import restored
@@ -172,13 +173,17 @@ def _memory_setup(ctx: WorkerContext, job: BenchJob, profiles: Profiles) -> _Mem
 
 
 def bench_worker(ctx: WorkerContext, job: BenchJob) -> BenchOutput | None:
+    progress = Progress(ctx.rank)
     profiles = Profiles(ctx, job.spec.shape, job.profiles)
     mem = _memory_setup(ctx, job, profiles)
+    if profiles.measured is not None:
+        fresh = job.profiles.cached is None
+        progress.say(f"profiled in {profiles.seconds:.1f} s" if fresh else "profiles cached")
     view = mem.profiles
     get: Callable[[], list[DeviceProfile]] = profiles.get if view is None else lambda: view
     runs = tuple(s for s in job.strategies if mem.found[s].feasible)
     peak = PeakRSS()
-    run = Run(job, ctx, get, peak, {s: StrategyLog() for s in runs})
+    run = Run(job, ctx, get, peak, {s: StrategyLog() for s in runs}, progress)
     schedule = run.in_turn if mem.in_turn else run.interleaved
     solo_times = schedule(runs, mem.solo)
     peaks = ctx.group.gather_object(dict(run.peaks))
