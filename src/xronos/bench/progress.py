@@ -19,6 +19,8 @@ EVERY_S = 15.0
 
 
 class Progress:
+    """The lines of one bench run; ``clock`` and ``out`` are for tests."""
+
     def __init__(
         self,
         rank: int,

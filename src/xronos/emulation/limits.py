@@ -385,7 +385,7 @@ class Emulator:
                 cpus=tuple(self.cpus),
                 period_us=self.period_us,
                 cpu_mechanism=tuple(self.cpu_mechanism),
-                notes=dict(self.notes, placement=h.placement) if h else dict(self.notes),
+                notes={**self.notes, **({"placement": h.placement} if h and h.placement else {})},
                 hierarchy_version=h.version if h is not None else None,
                 groups=tuple(self.groups),
                 network=self.network,
