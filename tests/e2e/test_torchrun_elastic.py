@@ -134,8 +134,11 @@ class _Job:
         restarts = len(re.findall(r"coordinating \d devices", text)) - 1
         assert len(re.findall(r"resuming from run/checkpoints/step-", text)) == restarts, text
         assert (self.hub / "run" / "checkpoints" / f"step-{STEPS:08d}" / "COMPLETE").is_file()
-        # the coordinator logs who left and who came back, as `xronos finetune` does
-        events = [r for r in _rows(self.hub / "run") if "event" in r]
+        # the coordinator logs who left and who came back, as `xronos finetune` does (other
+        # events, e.g. `io_threads_restored` when a busy host kept a device's CPU, may come
+        # between them and are not what this test is about)
+        membership = {"device_lost", "device_joined", "resumed"}
+        events = [r for r in _rows(self.hub / "run") if r.get("event") in membership]
         got = [(e["event"], e.get("device") or sorted(e["devices"])) for e in events]
         assert got == events_seen, events
         # every step up to the last was trained (some twice, after each restart)
