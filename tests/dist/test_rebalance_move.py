@@ -1,4 +1,4 @@
-"""A live move to another plan (:func:`xronos.run.rebalance.move`) continues the same
+"""A live move to another plan (:func:`xronos.run.moves.move`) continues the same
 training: the losses after it equal those of the run that kept its plan, and those of one
 device training alone (the oracle)."""
 
@@ -15,7 +15,7 @@ from tests.dist.world import WorkerContext, run_world
 from xronos.comm.mappings import TPGroup
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import Plan
-from xronos.run.rebalance import move, move_prefix
+from xronos.run.moves import move, move_prefix, narrow
 from xronos.train.batches import RandomBatches
 from xronos.train.optim import OptimConfig
 from xronos.train.session import Strategy
@@ -77,3 +77,51 @@ def test_a_move_to_another_plan_continues_the_same_training(lora: LoRAConfig | N
         assert r["moved"][:3] == r["kept"][:3]
         assert r["moved"][3:] == pytest.approx(r["kept"][3:], rel=LOSS_RTOL)
         assert r["moved"] == pytest.approx(oracle, rel=LOSS_RTOL)
+
+
+# -- a release: the run goes on with fewer devices (xronos.run.moves.narrow) --------------
+THREE = Plan.from_shares(CFG, [2.0, 1.0, 1.0], mlp_chunk=8, vocab_chunk=8)
+
+
+def _released(ctx: WorkerContext, arg: tuple[tuple[int, ...], int]) -> dict[str, Any]:
+    keep, world = arg
+    source = ModelSource(cfg=CFG, seed=5, lora=None)
+    torch.manual_seed(7)
+    start = BEFORE_PLAN if world == 2 else THREE
+    session = TPSession(source, start, ctx.group, OPTIM, Strategy.XRONOS)
+    data = RandomBatches(CFG.vocab_size, batch_size=2, seq_len=16, seed=1)
+    losses = _losses(session, data, 3)
+    names = [f"rank{r}" for r in keep]
+    after = Plan.from_shares(CFG, [1.0] * len(keep), names, mlp_chunk=8, vocab_chunk=8)
+    fresh, _ = narrow(session, keep, after, move_prefix(4242), timeout_s=60.0)
+    if fresh is None:
+        return {"kept": False}
+    losses += _losses(fresh, data, 3)
+    return {
+        "kept": True,
+        "losses": losses,
+        "size": fresh.group.size,
+        "members": fresh.group.world_ranks(),
+        "strategy": fresh.strategy,
+        "steps": fresh.steps_done,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("keep", "world"), [((0,), 2), ((1,), 2), ((0, 2), 3)], ids=["first", "second", "two-of-three"]
+)
+def test_a_release_continues_the_same_training_on_the_devices_kept(
+    keep: tuple[int, ...], world: int
+) -> None:
+    oracle = _single(None)
+    results = run_world(_released, world, (keep, world))
+    assert [r["kept"] for r in results] == [rank in keep for rank in range(world)]
+    for rank in keep:
+        r = results[rank]
+        assert r["size"] == len(keep) and r["members"] == keep
+        # one device left: it trains alone, as `single` (its checkpoints say so)
+        assert r["strategy"] is (Strategy.SINGLE if len(keep) == 1 else Strategy.XRONOS)
+        assert r["steps"] == 6
+        # the same tolerance as a move: only the all-reduces' association differs
+        assert r["losses"] == pytest.approx(oracle, rel=LOSS_RTOL)

@@ -14,6 +14,7 @@ from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
 from xronos.metrics.records import StepRecord
 from xronos.planner.plan import Plan
+from xronos.train.loop import LEAVE, Leave
 from xronos.train.optim import OptimConfig
 from xronos.train.session import Strategy
 from xronos.train.source import ModelSource
@@ -64,3 +65,22 @@ def test_a_warm_up_step_hands_over_the_moved_session_and_a_counted_one_does_not(
     assert run._step(Strategy.XRONOS, moved, micro, step=WARMUP) is moved
     assert len(mover.seen) == 1  # counted steps are not offered to the mover
     assert len(run.logs[Strategy.XRONOS].records) == 2
+
+
+@dataclass
+class _Releaser:
+    """Stands in for a Rebalancer that released this device (:data:`LEAVE`)."""
+
+    def after(self, session: TPSession, records: list[StepRecord]) -> Leave:
+        return LEAVE
+
+
+def test_a_released_device_has_no_session_for_the_later_steps() -> None:
+    torch.manual_seed(0)
+    source = ModelSource.from_name("tiny")
+    run = _run(_Releaser())
+    ids = torch.randint(0, source.cfg.vocab_size, (2, 8))
+    micro = [(ids, ids.clone())]
+    # its later steps of the strategy run on the devices kept (steps.py: those without a
+    # session wait and gather their records)
+    assert run._step(Strategy.XRONOS, _session(source), micro, step=WARMUP - 1) is None

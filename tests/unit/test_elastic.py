@@ -112,7 +112,7 @@ def _script(
             assert monitor is not None
             monitor.last_step += 1  # a step done
             assert stop_when()
-            return [SimpleNamespace(stopped=True)]
+            return [SimpleNamespace(stopped=True, members=(0,))]  # the run stopped to take it
         return [out]
 
     def survivors(prep: Any, rank: int, known: Any) -> tuple[Any, int]:

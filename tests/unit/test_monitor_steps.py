@@ -27,3 +27,28 @@ def test_the_first_step_has_no_rate_and_the_second_has_one(tmp_path: Path) -> No
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["tokens_per_s"] is None
     assert abs(rows[1]["tokens_per_s"] - rate) <= 0.5  # the line rounds to the token
+
+
+def test_a_release_is_logged_and_summed_up(tmp_path: Path) -> None:
+    from xronos.config import ModelConfig
+    from xronos.planner.plan import Plan
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=8, num_kv_heads=4)  # fmt: skip
+    pair, alone = Plan.even(cfg, ("fast", "slow")), Plan.single(cfg, "fast")
+    out = io.StringIO()
+    monitor = RunMonitor(tmp_path, 40, lambda generated: None, out=out)
+    release = {"kind": "rebalance", "step": 24, "seconds": 0.6, "before": pair.to_dict(),
+               "steps_left": 16, "plan": alone.to_dict(), "relative": [], "now_s": 1.0,
+               "then_s": 0.55, "why": "release", "keep": [0]}  # fmt: skip
+    monitor.on_event(0, release)
+    monitor.on_event(0, _step(25, 100))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (row,) = [r for r in rows if r.get("event") == "release"]
+    assert row["released"] == ["slow"] and row["after"]["devices"] == ["fast"]
+    assert row["measured_s"] == 1.0 and row["predicted_s"] == 0.55
+    assert abs(row["predicted_gain_s"] - 0.45 * 16) < 1e-9
+    assert json.loads((tmp_path / "plan.json").read_text())["devices"] == ["fast"]
+    assert "slow no longer paid for its part" in out.getvalue()
+    summary = monitor.finish(25)
+    assert "| release at step 24 | slow no longer paid for its part" in summary

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tests.unit.test_calibrate import _profile as speed_profile
 from xronos.planner.plan import Plan
-from xronos.run.rebalance import capped, in_memory_fs, memory_dir, move_held, move_peaks
+from xronos.run.moves import capped, in_memory_fs, memory_dir, move_held, move_peaks
 
 MIB = 2**20
 UNIT = {"attn": 4 * MIB, "mlp": 2 * MIB, "vocab": MIB}

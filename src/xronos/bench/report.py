@@ -89,6 +89,9 @@ def build_report(
         if name is Strategy.AUTO and out.auto is not None:
             entry["chosen"] = out.auto["chosen_strategy"]
             entry["auto"] = out.auto
+            released = [m for m in log.moves if m.get("why") == "release"] if log else []
+            if released:  # the warm-up's check went on with fewer devices
+                entry["chosen"] = released[-1]["plan"]["strategy"]
         result["strategies"][name.value] = entry
     result["memory"] = {**out.memory, "process_peak_rss_mb": out.peak_rss_mb}
     result["io_threads_restored"] = {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from xronos.bench import solo as solo_steps
 from xronos.bench.progress import Progress
@@ -22,7 +23,7 @@ from xronos.run.opening import Opened, SessionSpec
 from xronos.run.rebalance import Rebalancer
 from xronos.run.sessions import ProfileSource, open_session
 from xronos.train.batches import Batch, RandomBatches, label_count
-from xronos.train.loop import STEP_END, run_step
+from xronos.train.loop import STEP_END, Leave, run_step
 from xronos.train.session import Session, Strategy
 from xronos.train.tp import TPSession, compute_gaps
 
@@ -80,7 +81,7 @@ class StrategyLog:
     """What the session describes (a Plan or a PipelinePlan as a dict)."""
     tokens: int = 0
     """Label tokens per step (:func:`~xronos.train.batches.label_count`)."""
-    moves: list[dict[str, object]] = field(default_factory=list)
+    moves: list[dict[str, Any]] = field(default_factory=list)
     """The warm-up's re-balancing moves (the ``Rebalancer``'s events), oldest first."""
 
 
@@ -183,7 +184,13 @@ class Run:
         shape = self.job.spec.shape
         chunks = (shape.mlp_chunk, shape.vocab_chunk)
         self.movers[s] = Rebalancer(
-            session, list(opened.calibrated), chunks, BALANCE_HORIZON, self.logs[s].moves.append
+            session,
+            list(opened.calibrated),
+            chunks,
+            BALANCE_HORIZON,
+            self.logs[s].moves.append,
+            timeout_s=self.ctx.timeout_s,
+            release=s is Strategy.AUTO,
         )
 
     def _step(
@@ -198,7 +205,8 @@ class Run:
         mover = self.movers.get(s)
         if mover is None or counted or not isinstance(session, TPSession):
             return session
-        return mover.after(session, records) or session
+        fresh = mover.after(session, records)
+        return None if isinstance(fresh, Leave) else fresh or session
 
     def _finish(self, s: Strategy, session: Session | None, micro: list[Batch], iso: bool) -> None:
         if iso:

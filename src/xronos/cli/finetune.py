@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from xronos.run.monitor import RunMonitor
     from xronos.run.prepare import accuracy, prepare_run, write_config
     from xronos.run.scripted import Script
+    from xronos.run.worker import lead_result
 
     flags = {f.name: getattr(args, f.name) for f in config_fields()}
     prep = prepare_run(flags, args.config)
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     finally:
         script.stop()
-    result = results[0]
+    result = lead_result(results)
     summary = monitor.finish(result.step)
     if monitor.measured and not prep.job.profiles.cached:  # the next run skips profiling
         from xronos.planner.profile import DeviceProfile

@@ -96,6 +96,14 @@ class TPGroup:
         """The same ranks and links on another process group over them."""
         return replace(self, pg=pg, lanes=())
 
+    def world_ranks(self) -> tuple[int, ...]:
+        """The members' global ranks, in group-rank order (one rank: this process's)."""
+        if not dist.is_initialized():
+            return (0,)
+        if self.pg is None:
+            return (dist.get_rank(),)
+        return tuple(dist.get_process_group_ranks(self.pg))
+
     def with_lanes(self, timeout_s: float) -> TPGroup:
         """This group with two lanes: its own process group and a second one over the same
         ranks (made here; every member calls this, the other ranks need not). One rank or

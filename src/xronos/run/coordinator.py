@@ -23,8 +23,8 @@ import torch.distributed as dist
 from xronos.comm.groups import new_group
 from xronos.comm.relay import RelayClient, install
 from xronos.errors import UserError
+from xronos.run.moves import move_prefix
 from xronos.run.prepare import Prepared
-from xronos.run.rebalance import move_prefix
 from xronos.run.relay_server import RelayServer
 from xronos.run.worker import FinetuneJob
 from xronos.runconfig import RunConfig

@@ -40,6 +40,7 @@ from xronos.run.membership import JoinWatch
 from xronos.run.monitor import RunMonitor
 from xronos.run.opening import SessionSpec
 from xronos.run.prepare import Prepared, launch_job
+from xronos.run.worker import lead_result
 from xronos.train.session import Strategy
 
 
@@ -84,7 +85,7 @@ def launch_elastic(prep: Prepared, monitor: RunMonitor) -> tuple[list[Any], Prep
                 f"after losing {', '.join(repr(d) for d in joins.lost)}, the remaining devices "
                 f"cannot carry on: {e}"
             ) from None
-        if not (joins.asked and results[0].stopped):
+        if not (joins.asked and lead_result(results).stopped):
             return results, prep
         back = joins.take()
         prep, start = rejoined(first, prep, back)

@@ -187,10 +187,20 @@ class RunMonitor:
             )
 
     def _rebalanced(self, ev: dict[str, Any]) -> None:
-        self.plan = Plan.from_dict(ev["plan"])
-        pairs = zip(self.plan.devices, ev["relative"], strict=True)
+        before, self.plan = Plan.from_dict(ev["before"]), Plan.from_dict(ev["plan"])
+        pairs = zip(self.plan.devices, ev["relative"], strict=False)
         speeds = ", ".join(f"{d} ×{r:.2f}" for d, r in pairs)
-        if ev.get("why") == "balance":
+        kind, gain = "replan", (ev["now_s"] - ev["then_s"]) * ev["steps_left"]
+        extra: dict[str, Any] = {}
+        if ev.get("why") == "release":
+            kind, gone = "release", [d for d in before.devices if d not in self.plan.devices]
+            extra = {"released": gone, "measured_s": ev["now_s"], "predicted_s": ev["then_s"]}
+            reason = headline = (
+                f"{', '.join(gone)} no longer paid for {'its' if len(gone) == 1 else 'their'} "
+                f"part: {ev['now_s']:.3f} s a step measured, {ev['then_s']:.3f} predicted on "
+                f"{', '.join(self.plan.devices)}; released"
+            )
+        elif ev.get("why") == "balance":
             reason = f"the first steps were out of balance: compute against the busiest {speeds}"
             headline = (
                 f"the first steps were out of balance (compute against the busiest: {speeds})"
@@ -199,18 +209,20 @@ class RunMonitor:
             reason = f"compute relative to the other devices changed: {speeds}"
             headline = f"device speeds changed (compute relative to the others: {speeds})"
         self.event(
-            "replan",
+            kind,
             ev["step"],
             reason=reason,
             relative=ev["relative"],
             before=ev["before"],
             after=ev["plan"],
-            predicted_gain_s=(ev["now_s"] - ev["then_s"]) * ev["steps_left"],
+            predicted_gain_s=gain,
             move_s=ev["seconds"],
+            **extra,
         )
         self.say(
             f"step {ev['step']}: {headline}; moved to a new plan in {ev['seconds']:.1f} s, "
-            f"predicted {ev['now_s']:.3f} → {ev['then_s']:.3f} s/step:\n{self.plan.table()}"
+            f"{'measured' if kind == 'release' else 'predicted'} {ev['now_s']:.3f} → "
+            f"{ev['then_s']:.3f} s/step:\n{self.plan.table()}"
         )
         atomic_write_text(self.run_dir / "plan.json", self.plan.to_json())
 
@@ -344,7 +356,7 @@ def _event_text(e: dict[str, Any]) -> str:
         return f"{e['device']} (rank {e['rank']}): {e['reason']}"
     if e["event"] == "device_joined":
         return f"{e['device']} is back"
-    if e["event"] == "replan":
+    if e["event"] in ("replan", "release"):
         return (
             f"{e['reason']}; moved in {e['move_s']:.1f} s, predicted to save "
             f"{e['predicted_gain_s']:.0f} s"

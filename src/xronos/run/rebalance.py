@@ -26,25 +26,17 @@ exact planner plans again, and the move goes ahead only when the predicted savin
 step, over the steps left, exceeds twice what a move costs (measured at the last move;
 before any, :data:`FIRST_MOVE_STEPS` steps).
 
-**The move** is a checkpoint written by rank 0 (the other ranks send it their shards),
-read back under the new plan by every rank — the resharding checkpoint format, so the
-continuation is the same training (parameters, AdamW moments, LoRA adapters, data
-position, RNG). It goes to a memory filesystem (``/dev/shm``) where the host has one and no
-device has a memory cap (there, to disk); a device that holds no files reads its slices
-through the coordinator's relay. The old shard is freed once the checkpoint holds it, before
-the new one is built; where even that would pass a device's memory cap
-(:func:`move_peaks`), the run keeps its plan and says so (a move would get the device
-killed).
+**The move** (:mod:`xronos.run.moves`) checkpoints the training state in memory and
+loads it under the new plan on the same ranks; where even that would pass a device's
+memory cap (:func:`~xronos.run.moves.move_peaks`), the run keeps its plan and says so (a
+move would get the device killed). In ``auto``'s runs the same check may also release
+devices that no longer pay for their part (:mod:`xronos.run.release`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import statistics
-import tempfile
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,10 +47,12 @@ from xronos.config import ModelConfig
 from xronos.metrics.records import StepRecord
 from xronos.planner import plan_tp
 from xronos.planner.calibrate import Round, fit, segment_times, typical
-from xronos.planner.memory import tp_need
 from xronos.planner.plan import SEGMENTS, Plan
 from xronos.planner.profile import DeviceProfile
 from xronos.planner.solve import predict
+from xronos.run.moves import capped, move, move_held, move_prefix, narrow
+from xronos.run.release import release_to
+from xronos.train.loop import LEAVE, Leave
 from xronos.train.tp import TPSession
 
 WINDOW = 8
@@ -76,7 +70,6 @@ BALANCE_GAIN = 0.05
 plan whose devices' speeds did not change: the first plan's own calibration varies by a
 few per cent from run to run (one unit more or less on the slow device), and chasing that
 would cost more than it saves."""
-MIB = 1024**2
 FIRST_MOVE_STEPS = 5.0
 """A move's cost in step times, before one has been measured (``small`` on ``ci-2dev``:
 2.2 s at 0.5 s a step, about 4)."""
@@ -156,7 +149,10 @@ class Proposal:
     why: str = "change"
     """``change``: a device's speed changed against the others' (``relative``: its factor
     against theirs); ``balance``: the first plan was out of balance from its start
-    (``relative``: each device's compute over the busiest's)."""
+    (``relative``: each device's compute over the busiest's); ``release``: fewer devices
+    are predicted faster than the steps measured (``now_s``: that measured step)."""
+    keep: tuple[int, ...] = ()
+    """For ``release``: the devices kept (ranks of the run's group); empty: all."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -165,6 +161,7 @@ class Proposal:
             "now_s": self.now_s,
             "then_s": self.then_s,
             "why": self.why,
+            "keep": list(self.keep),
         }
 
     @classmethod
@@ -175,6 +172,7 @@ class Proposal:
             d["now_s"],
             d["then_s"],
             d.get("why", "change"),
+            tuple(d.get("keep", ())),
         )
 
 
@@ -228,96 +226,12 @@ def step_times(records: list[StepRecord]) -> list[dict[str, float]]:
     return [segment_times(r) for r in sorted(records, key=lambda r: r.rank)]
 
 
-def capped(profiles: Sequence[DeviceProfile]) -> bool:
-    """Whether some device has a memory cap."""
-    return any(p.memory_bytes > 0 for p in profiles)
-
-
-def memory_dir(on_disk: bool = False) -> Path:
-    """Where moves write their checkpoint: a memory filesystem where there is one, unless
-    ``on_disk`` (some device has a memory cap: a file in memory would count against the
-    writer's cap, a file on disk only until the kernel writes it out)."""
-    shm = Path("/dev/shm")
-    if not on_disk and shm.is_dir() and os.access(shm, os.W_OK):
-        return shm
-    return Path(tempfile.gettempdir())
-
-
-def in_memory_fs(path: Path) -> bool:
-    """Whether ``path`` lies on a filesystem kept in memory (tmpfs, ramfs)."""
-    best, kind = "", ""
-    with contextlib.suppress(OSError), open("/proc/mounts") as mounts:
-        for line in mounts:
-            fields = line.split()
-            if len(fields) > 2 and len(fields[1]) > len(best) and path.is_relative_to(fields[1]):
-                best, kind = fields[1], fields[2]
-    return kind in ("tmpfs", "ramfs")
-
-
-def move_prefix(coordinator_pid: int, on_disk: bool = False) -> str:
-    """The path prefix of every move's checkpoint in a run whose rank 0 has this pid."""
-    return str(memory_dir(on_disk) / f"xronos-move-{coordinator_pid}-")
-
-
-def move_peaks(
-    profiles: Sequence[DeviceProfile], before: Plan, after: Plan, checkpoint_in_memory: bool
-) -> list[int]:
-    """Per device, the model's bytes at the height of a move from ``before`` to ``after``
-    (the planner's memory model, :func:`~xronos.planner.memory.tp_need`): the larger of the
-    old shard and the new one (the old one's tensors are freed once the checkpoint holds
-    them, before the new one is built; the checkpoint is written one tensor at a time), and
-    on the device that writes the checkpoint (rank 0) the whole of it where it goes to a
-    memory filesystem, whose pages the kernel charges to the writer's memory limit. Errs
-    high: the checkpoint holds weights and moments, not gradients and activations."""
-
-    def need(p: DeviceProfile, plan: Plan, i: int) -> int:
-        return tp_need(p, {s: plan.split(s)[i] for s in SEGMENTS})
-
-    old = [need(p, before, i) for i, p in enumerate(profiles)]
-    new = [need(p, after, i) for i, p in enumerate(profiles)]
-    peaks = [max(o, n) for o, n in zip(old, new, strict=True)]
-    if checkpoint_in_memory:
-        peaks[0] += sum(old)
-    return peaks
-
-
-def move_held(
-    profiles: Sequence[DeviceProfile], before: Plan, after: Plan, where: Path
-) -> str | None:
-    """Why a move from ``before`` to ``after``, its checkpoint written under ``where``,
-    would not fit some device's memory cap (``memory_bytes``: what the cap leaves the model;
-    0 for no cap), or None when it fits."""
-    in_memory = in_memory_fs(where)
-    for p, peak in zip(profiles, move_peaks(profiles, before, after, in_memory), strict=True):
-        if 0 < p.memory_bytes < peak:
-            return (
-                f"moving would take about {peak / MIB:.0f} MiB for the model on {p.name!r} "
-                f"(the larger of its shards{', and the checkpoint' if in_memory else ''}), "
-                f"where its memory cap leaves {p.memory_bytes / MIB:.0f} MiB"
-            )
-    return None
-
-
-def move(session: TPSession, plan: Plan, prefix: str) -> tuple[TPSession, float]:
-    """``session``'s training state under ``plan``, on the same ranks (collective); and
-    the seconds the move took."""
-    t0 = time.perf_counter()
-    where = Path(f"{prefix}{session.steps_done}")
-    session.save(where, {"move": True})
-    session.release()  # the checkpoint holds it now: room for the new shard
-    fresh = TPSession(session.source, plan, session.group, session.optim, session.strategy)
-    fresh.load(str(where))
-    session.close()
-    session.group.barrier()
-    if session.group.rank == 0:
-        shutil.rmtree(where, ignore_errors=True)
-    return fresh, time.perf_counter() - t0
-
-
 class Rebalancer:
     """Watches a heterogeneous tensor-parallel run and moves it to a new plan when a
     device's speed changes for good (every rank holds one; they agree every
-    :data:`CHECK_EVERY` steps on rank 0's proposal)."""
+    :data:`CHECK_EVERY` steps on rank 0's proposal). ``release``: ``auto``'s run, which may
+    also go on with fewer devices (:mod:`xronos.run.release`); ``keep_first``: never
+    without rank 0 (a multi-host run's coordinator)."""
 
     def __init__(
         self,
@@ -326,49 +240,64 @@ class Rebalancer:
         chunks: tuple[int, int],
         steps: int,
         emit: Callable[[dict[str, Any]], None],
+        *,
+        timeout_s: float,
+        release: bool = False,
+        keep_first: bool = False,
     ) -> None:
         self.profiles, self.chunks, self.steps, self.emit = profiles, chunks, steps, emit
+        self.timeout_s, self.release, self.keep_first = timeout_s, release, keep_first
         self.watch = SpeedWatch()
+        self.durations: deque[float] = deque(maxlen=WINDOW)
+        """The last steps' wall time (the slowest rank's), after the plan's warm-up."""
         self.move_s: float | None = None
         # rank 0's pid names the moves' checkpoints (the coordinator's relay serves them)
         pid = int(session.group.gather_object(os.getpid())[0])
         self.prefix = move_prefix(pid, on_disk=capped(profiles))
 
-    def after(self, session: TPSession, records: list[StepRecord]) -> TPSession | None:
-        """Observe one step; the session to go on with when the run moved, else None
-        (collective every :data:`CHECK_EVERY` steps)."""
-        if not records:
+    def after(self, session: TPSession, records: list[StepRecord]) -> TPSession | Leave | None:
+        """Observe one step; the session to go on with when the run moved (:data:`LEAVE`
+        on a device it released), else None (collective every :data:`CHECK_EVERY` steps)."""
+        if not records or session.group.size == 1:
             return None
         self.watch.observe(session.plan, step_times(records))
+        if self.watch.steps > WARMUP:
+            self.durations.append(max(r.duration for r in records))
         step = session.steps_done
         if step % CHECK_EVERY or step >= self.steps:
             return None
         cost = self.move_s
         if cost is None:
             cost = FIRST_MOVE_STEPS * max(r.duration for r in records)
-        mine = propose(
-            self.watch,
-            self.profiles,
-            session.plan,
-            session.source.cfg,
-            self.chunks,
-            self.steps - step,
-            cost,
-        )
+        cfg, left = session.source.cfg, self.steps - step
+        mine = propose(self.watch, self.profiles, session.plan, cfg, self.chunks, left, cost)
+        if self.release and session.group.rank == 0 and len(self.durations) == WINDOW:
+            mine = self._release(cfg, left, cost, mine) or mine
         where = Path(self.prefix).parent
-        held = move_held(self.profiles, session.plan, mine.plan, where) if mine else None
+        held = None
+        if mine is not None:
+            held = move_held(self.profiles, session.plan, mine.plan, where, mine.keep or None)
         offer = mine.to_dict() | {"held": held} if mine else None
         agreed = session.group.gather_object(offer)[0]  # rank 0's proposal stands
         if agreed is None:
             return None
         if agreed["held"]:  # the run keeps its plan, with this speed as the new baseline
             self.watch.restart()
+            self.durations.clear()
             if session.group.rank == 0:
                 self.emit({"kind": "rebalance_held", "step": step, "reason": agreed["held"]})
             return None
         chosen = Proposal.from_dict(agreed)
-        fresh, self.move_s = move(session, chosen.plan, self.prefix)
+        fresh: TPSession | None
+        if chosen.keep:
+            fresh, self.move_s = narrow(
+                session, chosen.keep, chosen.plan, self.prefix, self.timeout_s
+            )
+            self.profiles = [self.profiles[i] for i in chosen.keep]
+        else:
+            fresh, self.move_s = move(session, chosen.plan, self.prefix)
         self.watch.restart()
+        self.durations.clear()
         if session.group.rank == 0:
             self.emit(
                 {
@@ -376,8 +305,28 @@ class Rebalancer:
                     "step": step,
                     "seconds": self.move_s,
                     "before": session.plan.to_dict(),
-                    "steps_left": self.steps - step,
+                    "steps_left": left,
                 }
                 | chosen.to_dict()
             )
-        return fresh
+        return fresh if fresh is not None else LEAVE
+
+    def _release(
+        self, cfg: ModelConfig, left: int, cost: float, replan: Proposal | None
+    ) -> Proposal | None:
+        """Fewer devices, where the steps measured call for it (:mod:`xronos.run.release`)."""
+        found = release_to(
+            cfg,
+            self.profiles,
+            list(self.watch.rounds),
+            list(self.durations),
+            self.chunks,
+            keep_first=self.keep_first,
+            steps_left=left,
+            move_s=cost,
+            replan=(replan.now_s, replan.then_s) if replan else None,
+        )
+        if found is None:
+            return None
+        fewer, measured = found
+        return Proposal(fewer.plan, [], measured, fewer.predicted_s, "release", fewer.keep)

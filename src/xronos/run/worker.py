@@ -28,7 +28,7 @@ from xronos.run.rebalance import Rebalancer
 from xronos.run.sessions import Profiles, ProfileSource, open_session
 from xronos.run.spacing import KEEP, CheckpointSpacing
 from xronos.train.batches import StepSource
-from xronos.train.loop import LossNotFinite, StepOutcome, train_loop
+from xronos.train.loop import Leave, LossNotFinite, StepOutcome, train_loop
 from xronos.train.session import EvalSpec, Session, Strategy
 from xronos.train.tp import TPSession
 
@@ -78,6 +78,12 @@ class WorkerResult:
     records: list[list[StepRecord]] = field(default_factory=list)
     members: tuple[int, ...] = ()
     """The ranks that trained (``auto`` may leave devices out); empty on those left out."""
+
+
+def lead_result(results: list[WorkerResult]) -> WorkerResult:
+    """The result that speaks for the run: the first of a rank that trained to the end (not
+    one that ``auto`` left out or released)."""
+    return next((r for r in results if r.members), results[0])
 
 
 _STOP = {"requested": False}
@@ -206,6 +212,9 @@ def _rebalancer(
         (shape.mlp_chunk, shape.vocab_chunk),
         job.steps,
         ctx.emit,
+        timeout_s=ctx.timeout_s,
+        release=job.session.strategy is Strategy.AUTO,
+        keep_first=job.session.anchor is not None,
     )
 
 
@@ -267,9 +276,9 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     recorder = SpanRecorder(ctx.rank, ctx.device, enabled=job.record and group.size > 1)
     mover = _rebalancer(ctx, job, opened, session)
 
-    def swap(old: Session, o: StepOutcome) -> Session | None:
+    def swap(old: Session, o: StepOutcome) -> Session | Leave | None:
         fresh = mover.after(old, o.records) if mover and isinstance(old, TPSession) else None
-        if fresh is not None:
+        if isinstance(fresh, TPSession):
             current[0] = fresh
         return fresh
 
@@ -280,7 +289,11 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
             f"loss is {e.loss} at step {e.step}; stopped; the last good checkpoint is "
             f"{last[0] or 'none was written yet'}; lower --lr or check the data"
         ) from None
+    if loop.left:  # released: the run goes on without this device
+        return WorkerResult(loop.steps, False, None, {}, loop.losses, loop.grad_norms)
     session = current[0]
+    if session.group.size != len(members):  # some devices were released
+        members = session.group.world_ranks()
     if job.run_dir:
         last[0] = _save(ctx, session, job, prune=spacing.automatic)
     if not loop.stopped and not job.eval.empty:

@@ -31,6 +31,14 @@ from xronos.train.session import Session, StepResult
 STEP_END = "step.end"
 
 
+class Leave:
+    """What ``swap`` returns on a rank that has no part in the run from the next step (a
+    device released, :mod:`xronos.run.release`)."""
+
+
+LEAVE = Leave()
+
+
 class LossNotFinite(UserError):
     """The loss became NaN or infinite: training stops (the caller names the last good
     checkpoint)."""
@@ -96,6 +104,8 @@ class LoopResult:
     """Steps done at the end."""
     stopped: bool = False
     """Ended by a stop request before ``steps``."""
+    left: bool = False
+    """This rank was released: the run went on without it."""
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
 
@@ -107,11 +117,12 @@ def train_loop(
     group: TPGroup,
     recorder: SpanRecorder,
     on_step: Callable[[StepOutcome], bool] | None = None,
-    swap: Callable[[Session, StepOutcome], Session | None] | None = None,
+    swap: Callable[[Session, StepOutcome], Session | Leave | None] | None = None,
 ) -> LoopResult:
     """Train ``session`` until it has done ``steps`` steps, or ``on_step`` returns True.
-    ``swap`` may return another session (the same training state under another plan) to
-    go on with from the next step."""
+    ``swap`` may return another session (the same training state under another plan, maybe
+    on fewer ranks) to go on with from the next step, or :data:`LEAVE` on a rank that has
+    no part in it."""
     out = LoopResult(steps=session.steps_done)
     while session.steps_done < steps:
         outcome = run_step(session, data.next_step(), group, recorder)
@@ -121,6 +132,10 @@ def train_loop(
         if on_step is not None and on_step(outcome):
             out.stopped = outcome.step < steps
             break
-        if swap is not None and (fresh := swap(session, outcome)) is not None:
-            session = fresh
+        fresh = swap(session, outcome) if swap is not None else None
+        if isinstance(fresh, Leave):
+            out.left = True
+            break
+        if fresh is not None:
+            session, group = fresh, fresh.group
     return out
