@@ -119,25 +119,21 @@ def move_held(
 def move(session: TPSession, plan: Plan, prefix: str) -> tuple[TPSession, float]:
     """``session``'s training state under ``plan``, on the same ranks (collective); and
     the seconds the move took."""
-    t0 = time.perf_counter()
-    where = Path(f"{prefix}{session.steps_done}")
-    session.save(where, {"move": True})
-    session.release()  # the checkpoint holds it now: room for the new shard
-    fresh = TPSession(session.source, plan, session.group, session.optim, session.strategy)
-    fresh.load(str(where))
-    session.close()
-    session.group.barrier()
-    if session.group.rank == 0:
-        shutil.rmtree(where, ignore_errors=True)
-    return fresh, time.perf_counter() - t0
+    everyone = range(session.group.size)
+    fresh, seconds = narrow(session, everyone, plan, prefix, timeout_s=0.0)  # no new group
+    assert fresh is not None
+    return fresh, seconds
 
 
 def narrowed_group(group: TPGroup, keep: Sequence[int], timeout_s: float) -> TPGroup | None:
     """The group of ``group``'s ranks ``keep`` (numbered as in ``group``), made by those
-    ranks alone; None on a rank outside it. Latencies, payload and lanes carry over."""
+    ranks alone; None on a rank outside it. Latencies, payload and lanes carry over. Every
+    rank kept: ``group`` itself."""
     keep = sorted(keep)
     if group.rank not in keep:
         return None
+    if len(keep) == group.size:
+        return group
     if len(keep) == 1:
         return TPGroup(payload=group.payload)
     world = group.world_ranks()
@@ -150,12 +146,13 @@ def narrow(
     session: TPSession, keep: Sequence[int], plan: Plan, prefix: str, timeout_s: float
 ) -> tuple[TPSession | None, float]:
     """``session``'s training state under ``plan`` on its ranks ``keep`` alone (collective
-    over the session's group); None on the ranks left out. And the seconds it took."""
+    over the session's group; ``timeout_s`` bounds the kept ranks' new group); None on the
+    ranks left out. And the seconds it took."""
     t0 = time.perf_counter()
     old = session.group
     where = Path(f"{prefix}{session.steps_done}")
     session.save(where, {"move": True})
-    session.release()
+    session.release()  # the checkpoint holds it now: room for the new shard
     group = narrowed_group(old, keep, timeout_s)
     fresh = None
     if group is not None:
