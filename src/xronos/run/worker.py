@@ -229,7 +229,6 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     _emit_plan(ctx, opened, profiles)
     if session is None:  # auto left this device out: it has nothing to do
         return WorkerResult(0, False, None, {}, [], [])
-    members = tuple(sorted(opened.ran.devices)) if opened.ran else tuple(range(ctx.world_size))
     if job.resume:
         job.data.load_state_dict(session.load(job.resume)["data"])
     if session.steps_done == 0 and not job.eval.empty:
@@ -292,8 +291,6 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     if loop.left:  # released: the run goes on without this device
         return WorkerResult(loop.steps, False, None, {}, loop.losses, loop.grad_norms)
     session = current[0]
-    if session.group.size != len(members):  # some devices were released
-        members = session.group.world_ranks()
     if job.run_dir:
         last[0] = _save(ctx, session, job, prune=spacing.automatic)
     if not loop.stopped and not job.eval.empty:
@@ -309,5 +306,5 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
         grad_norms=loop.grad_norms,
         state=state,
         records=kept,
-        members=members,
+        members=session.group.world_ranks(),  # fewer where devices were released
     )
