@@ -154,7 +154,9 @@ class RunConfig:
     them, state from the newest checkpoint (--no-elastic: stop with an error instead)."""
     disturb: str | None = None
     """Emulation: at step N another program starts on DEVICE (DEVICE@N, e.g. slow@40): a
-    CPU-bound process joins the device's cgroups and CPUs until the run ends."""
+    CPU-bound process joins the device's cgroups and CPUs until the run ends. A
+    comma-separated list starts one program per item (slow@40,slow@40: two on one
+    device)."""
     leave: str | None = None
     """Emulation: after step N DEVICE is switched off (DEVICE@N, e.g. slow@40): its worker
     is killed with SIGKILL, as by a power cut."""

@@ -12,7 +12,7 @@ import pytest
 from xronos.cli import main
 from xronos.errors import UserError
 from xronos.run.membership import JoinWatch, request_join
-from xronos.run.scripted import parse_at
+from xronos.run.scripted import parse_at, parse_list
 
 
 def _run_dir(tmp_path: Path, pid: int, lost: list[str]) -> Path:
@@ -91,3 +91,10 @@ def test_scripted_steps_are_checked(text: str, words: str) -> None:
     with pytest.raises(UserError, match=words):
         parse_at("--leave", text, ["fast", "slow"])
     assert parse_at("--leave", "slow@3", ["fast", "slow"]) == ("slow", 3)
+
+
+def test_several_programs_are_a_comma_separated_list() -> None:
+    assert parse_list("--disturb", None) == []
+    assert parse_list("--disturb", "slow@16, slow@16,fast@3") == ["slow@16", "slow@16", "fast@3"]
+    with pytest.raises(UserError, match="an empty item"):
+        parse_list("--disturb", "slow@16,")

@@ -1,5 +1,6 @@
 """What the devices' owners do during an emulated run, at given steps: ``--disturb``
-(another program starts on a device), ``--leave`` (a device is switched off: its worker is
+(another program starts on a device; one program per item of its comma-separated list, so
+``slow@16,slow@16`` starts two on one device), ``--leave`` (a device is switched off: its worker is
 killed with SIGKILL) and ``--rejoin`` (a lost device comes back, as ``xronos join`` asks).
 Each acts from outside the workers, as its real counterpart would, through the run's
 ``devices.json``; each acts once.
@@ -30,6 +31,17 @@ def parse_at(flag: str, text: str, devices: list[str]) -> tuple[str, int]:
             f"{flag} {text!r}: no device {name!r}; the cluster has {', '.join(devices)}"
         )
     return name, int(step)
+
+
+def parse_list(flag: str, text: str | None) -> list[str]:
+    """The items of a comma-separated ``DEVICE@STEP,...`` (none for None), or one line
+    naming an empty item."""
+    if not text:
+        return []
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise UserError(f"{flag} {text!r}: an empty item; give DEVICE@STEP[,DEVICE@STEP...]")
+    return items
 
 
 class AtStep:
@@ -101,10 +113,11 @@ class Script:
         self, cfg: RunConfig, run_dir: Path, devices: list[str], say: Callable[[str], None]
     ):
         self.hooks: list[Callable[[int], None]] = []
-        self.disturb: Disturb | None = None
-        if cfg.disturb:
-            self.disturb = Disturb(run_dir, *parse_at("--disturb", cfg.disturb, devices), say)
-            self.hooks.append(self.disturb.on_step)
+        self.disturb = [
+            Disturb(run_dir, *parse_at("--disturb", item, devices), say)
+            for item in parse_list("--disturb", cfg.disturb)
+        ]
+        self.hooks += [d.on_step for d in self.disturb]
         if cfg.leave:
             self.hooks.append(Leave(run_dir, *parse_at("--leave", cfg.leave, devices), say).on_step)
         if cfg.rejoin:
@@ -118,5 +131,5 @@ class Script:
             hook(step)
 
     def stop(self) -> None:
-        if self.disturb is not None:
-            self.disturb.intruder.stop()
+        for d in self.disturb:
+            d.intruder.stop()
