@@ -1,7 +1,8 @@
 """What the devices' owners do during an emulated run, at given steps: ``--disturb``
 (another program starts on a device; one program per item of its comma-separated list, so
-``slow@16,slow@16`` starts two on one device), ``--leave`` (a device is switched off: its worker is
-killed with SIGKILL) and ``--rejoin`` (a lost device comes back, as ``xronos join`` asks).
+``slow@16,slow@16`` starts two on one device), ``--leave`` (a device is switched off: its
+worker is killed with SIGKILL) and ``--rejoin`` (a lost device comes back, as ``xronos
+join`` asks).
 Each acts from outside the workers, as its real counterpart would, through the run's
 ``devices.json``; each acts once.
 """
