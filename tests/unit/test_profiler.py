@@ -23,8 +23,9 @@ from xronos.config import tiny
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import segment_units
 from xronos.planner.profile import CostCurve
-from xronos.profiler import measure
+from xronos.profiler import measure, whole
 from xronos.profiler.measure import Shape, fit_line, measure_segments, unit_points
+from xronos.profiler.whole import WholeStep
 
 SHAPE = Shape(cfg=tiny(), batch_size=2, seq_len=16, mlp_chunk=8, vocab_chunk=32)
 
@@ -158,19 +159,56 @@ def test_the_whole_step_is_the_median_of_its_timed_steps(monkeypatch: pytest.Mon
     # The warm-up steps (slow: allocator, AdamW's moments) are not counted, and one step
     # that met a busy moment of the host (9.0) moves neither the median nor the result.
     clock = FakeClock()
-    monkeypatch.setattr(measure, "time", clock)
+    monkeypatch.setattr(whole, "time", clock)
     durations = iter([50.0, 40.0, 2.0, 9.0, 3.0])
-    assert measure.WHOLE_STEP_WARMUP + measure.WHOLE_STEP_REPEATS == 5
-    real_step = measure.Trainer.step
+    assert whole.WHOLE_STEP_WARMUP + whole.WHOLE_STEP_REPEATS == 5
+    real_step = whole.Trainer.step
 
-    def step(self: measure.Trainer, *args: object, **kwargs: object) -> object:
+    def step(self: whole.Trainer, *args: object, **kwargs: object) -> object:
         out = real_step(self, *args, **kwargs)  # type: ignore[arg-type]
         clock.now += next(durations)
         return out
 
-    monkeypatch.setattr(measure.Trainer, "step", step)
-    assert measure.time_whole_step(SHAPE) == 3.0
+    monkeypatch.setattr(whole.Trainer, "step", step)
+    assert whole.time_whole_step(SHAPE) == whole.WholeStep(3.0, None)
     assert next(durations, None) is None  # every step ran: 2 warm-up, 3 timed
+
+
+def test_a_cut_step_is_timed_right_after_each_whole_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each cut step is paired with the whole step before it: a slow moment that hits one
+    # pair (the third: 9.0 and 9.9) moves neither median. SHAPE's batch of 2 sequences is
+    # cut into 2 however many passes are asked: one extra pass, cut - whole.
+    clock = FakeClock()
+    monkeypatch.setattr(whole, "time", clock)
+    seen: list[int] = []
+    durations = iter([50.0, 40.0, 2.0, 2.3, 3.0, 3.6, 9.0, 9.9])
+    real_step = whole.Trainer.step
+
+    def step(self: whole.Trainer, micro: list[object], *args: object) -> object:
+        out = real_step(self, micro, *args)  # type: ignore[arg-type]
+        seen.append(len(micro))
+        clock.now += next(durations)
+        return out
+
+    monkeypatch.setattr(whole.Trainer, "step", step)
+    got = whole.time_whole_step(SHAPE, passes=4)
+    assert SHAPE.batch_size == 2
+    assert seen == [1, 2, 1, 2, 1, 2, 1, 2]  # warm-up: whole, then cut; then pairs
+    assert got.seconds == 3.0
+    assert got.per_pass_s == pytest.approx(0.6)  # the pairs' 0.3, 0.6, 0.9
+
+
+def test_what_a_micro_batch_adds_is_shared_as_the_parts_take_time() -> None:
+    from xronos.profiler.measure import SegmentTimes
+
+    totals = {"attn": 4, "mlp": 8, "vocab": 16}
+    curves = {"attn": CostCurve(0, 0.05), "mlp": CostCurve(0, 0.05), "vocab": CostCurve(0, 0.025)}
+    # the parts' own cuts (one layer's came out at nothing) are replaced, not scaled: times
+    # 0.2 : 0.4 : 0.4 and the embedding's 0.2 share the whole model's 120 ms a micro-batch
+    parts = SegmentTimes(curves, 0.1, {"attn": 0.0, "mlp": 0.0, "vocab": 0.01}, embed_s=0.2)
+    got = whole.split_to_whole(parts, 0.12, totals)
+    assert got.split_s == pytest.approx({"attn": 0.02, "mlp": 0.04, "vocab": 0.04})
+    assert got.embed_split_s == pytest.approx(0.02) and got.curves == parts.curves
 
 
 def _time_vocab(units: int, shape: Shape, repeats: int) -> float:
@@ -294,7 +332,9 @@ def test_segments_are_scaled_to_a_whole_real_step(monkeypatch: pytest.MonkeyPatc
     totals = segment_units(SHAPE.cfg, SHAPE.mlp_chunk, SHAPE.vocab_chunk)
     parts_sum = parts.replicated_s + sum(c(totals[s]) for s, c in parts.curves.items())
     # a real step 1.5 times the parts' sum: every cost grows by 1.5
-    monkeypatch.setattr(run, "time_whole_step", lambda shape: 1.5 * parts_sum)
+    monkeypatch.setattr(
+        run, "time_whole_step", lambda shape, passes: WholeStep(1.5 * parts_sum, None)
+    )
     got = run.scaled(parts, SHAPE, TPGroup(), None)
     assert got.scale == pytest.approx(1.5)
     assert got.replicated_s == pytest.approx(0.075)

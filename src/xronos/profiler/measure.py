@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,12 +26,10 @@ from xronos.config import ModelConfig
 from xronos.model.llama import MLP, Attention, RMSNorm
 from xronos.model.lora import LoRAConfig, add_lora
 from xronos.model.rope import RotaryEmbedding
-from xronos.parallel.shard import build_model
 from xronos.parallel.vocab import vocab_parallel_cross_entropy
-from xronos.planner.plan import Plan, segment_units
+from xronos.planner.plan import segment_units
 from xronos.planner.profile import CostCurve
-from xronos.train.optim import OptimConfig, new_adamw
-from xronos.train.trainer import Trainer
+from xronos.train.optim import new_adamw
 
 BYTES_FP32 = 4
 
@@ -331,43 +328,6 @@ def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
         embed_s=embed,
         embed_split_s=per_extra_pass(embed_cut, embed, m),
     )
-
-
-WHOLE_STEP_WARMUP = 2
-"""Untimed steps before the whole step is timed. The first two steps of a freshly built
-model run slower than the rest (the allocator still growing, AdamW's moments created):
-measured in the profiler on ``ci-2dev``, steps 1-6 took 0.76, 0.74, 0.61, 0.60, 0.71, 0.67 s
-on the full-speed device and 2.64, 1.92, 1.34, 1.56, 1.38, 1.38 s on the 0.4 one, so timing
-the second step put every prediction 10-40 % high."""
-
-WHOLE_STEP_REPEATS = 3
-"""Whole steps timed after the warm-up; their median counts, as the benchmark's measured
-step is the median of its counted steps. With one timed step, a step that met a busy moment
-of the host set the scale of every cost of that device: three profiles in a row predicted
-``ci-2dev``'s fast device alone at 0.59-0.74 s and the slow one at 1.59-2.50 s with one
-timed step, 0.70-0.74 s and 1.81-1.97 s with the median of three."""
-
-
-def time_whole_step(shape: Shape, repeats: int = WHOLE_STEP_REPEATS) -> float:
-    """Seconds of a real training step of the whole model on this device (random weights,
-    LoRA when profiled with it): the median of ``repeats`` steps after
-    :data:`WHOLE_STEP_WARMUP` untimed ones. It is what the segments' sum stands for, with
-    everything the parts leave out (the model's own Python, the loss, the global gradient
-    norm and clipping, one optimizer over every parameter, caches shared between
-    layers). It is the training loop's own step
-    (:class:`~xronos.train.trainer.Trainer`, default optimizer settings): a bare
-    forward + backward + AdamW ran 4-5 % faster than it on ``small``."""
-    cfg = shape.cfg
-    plan = Plan.single(cfg)
-    model = build_model(cfg, plan, TPGroup(), lora=shape.lora)  # what ``single`` trains
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (shape.batch_size, shape.seq_len), generator=gen)
-    trainer = Trainer(model, cfg, plan, TPGroup(), OptimConfig())
-
-    def step() -> None:
-        trainer.step([(ids, ids)])
-
-    return statistics.median(run_times(step, repeats, warmup=WHOLE_STEP_WARMUP))
 
 
 def unit_bytes(shape: Shape) -> dict[str, int]:

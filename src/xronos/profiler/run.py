@@ -27,14 +27,15 @@ from xronos.planner.comm import LinkModel, star_links, tp_traffic
 from xronos.planner.plan import segment_units
 from xronos.planner.profile import CostCurve, DeviceProfile
 from xronos.profiler.measure import (
+    SPLIT_PASSES,
     SegmentTimes,
     Shape,
     base_bytes,
     measure_segments,
-    time_whole_step,
     unit_bytes,
 )
 from xronos.profiler.update import measure_update
+from xronos.profiler.whole import WholeStep, split_to_whole, time_whole_step
 
 
 def cache_dir() -> Path:
@@ -66,6 +67,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
                 "layer segments: unit points timed interleaved",
                 "sync: its rounds pay the emulated link latency",
                 "split: the cut timed in the line's rounds",
+                "split: shared out from the whole step cut",
             ],
             "optimizer": "adamw fused",  # the step's optimizer, as the update is timed
         },
@@ -344,17 +346,22 @@ def scaled(
     and one optimizer over every parameter, and its layers share the caches. Each device
     times one whole step where it holds the model and it takes at most
     :data:`WHOLE_STEP_MAX_S`; the ratio real / parts scales every cost (a device that did
-    not time one takes the median ratio of those that did; none: 1). Collective."""
+    not time one takes the median ratio of those that did; none: 1). The same rounds time
+    the step cut into :data:`~xronos.profiler.measure.SPLIT_PASSES` micro-batches: what a
+    micro-batch adds to the whole model then replaces the segments' own cuts, shared among
+    them (and the embedding) in proportion to their times (:func:`split_to_whole`).
+    Collective."""
     totals = segment_units(shape.cfg, shape.mlp_chunk, shape.vocab_chunk)
     predicted = parts.replicated_s + sum(c(totals[s]) for s, c in parts.curves.items())
     need = base_bytes(shape) + sum(b * totals[s] for s, b in unit_bytes(shape).items())
     room = usable_memory(memory_cap)
-    ratio = None
+    whole: WholeStep | None = None
     if 0 < predicted <= WHOLE_STEP_MAX_S and (room == 0 or need <= room):
-        ratio = time_whole_step(shape) / predicted
+        whole = time_whole_step(shape, min(SPLIT_PASSES, shape.batch_size))
+    ratio = None if whole is None else whole.seconds / predicted
     ratios = [r for r in group.gather_object(ratio) if r is not None]
     k = ratio if ratio is not None else statistics.median(ratios) if ratios else 1.0
-    return SegmentTimes(
+    out = SegmentTimes(
         {s: CostCurve(c.a * k, c.b * k) for s, c in parts.curves.items()},
         parts.replicated_s * k,
         {s: v * k for s, v in parts.split_s.items()},
@@ -362,6 +369,9 @@ def scaled(
         embed_s=parts.embed_s * k,
         embed_split_s=parts.embed_split_s * k,
     )
+    if whole is None or whole.per_pass_s is None:
+        return out
+    return split_to_whole(out, whole.per_pass_s, totals)
 
 
 def share_profiles(mine: DeviceProfile, group: TPGroup) -> list[DeviceProfile]:

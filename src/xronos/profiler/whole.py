@@ -1,0 +1,101 @@
+"""A real training step of the whole model on this device: what the segments' sum stands for,
+and what cutting its batch into micro-batches adds.
+
+The segments (:mod:`xronos.profiler.measure`) are timed apart and their sum is scaled to a
+whole step's time (:func:`xronos.profiler.run.scaled`). The same rounds also time the step
+with its batch cut into micro-batches, paired with the whole one: the median difference is
+what each micro-batch beyond the first costs the whole model, a signal of tens of ms on
+``small``, where the segments' own cuts (one layer at a time, minima of two runs) can come
+out at nothing when the host drifts between two timings.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from xronos.comm.mappings import TPGroup
+from xronos.parallel.shard import build_model
+from xronos.planner.plan import Plan
+from xronos.profiler.measure import SegmentTimes, Shape
+from xronos.train.optim import OptimConfig
+from xronos.train.trainer import Trainer
+
+WHOLE_STEP_WARMUP = 2
+"""Untimed steps before the whole step is timed (the second one cut, when it is timed cut).
+The first two steps of a freshly built model run slower than the rest (the allocator still
+growing, AdamW's moments created): measured in the profiler on ``ci-2dev``, steps 1-6 took
+0.76, 0.74, 0.61, 0.60, 0.71, 0.67 s on the full-speed device and 2.64, 1.92, 1.34, 1.56,
+1.38, 1.38 s on the 0.4 one, so timing the second step put every prediction 10-40 % high."""
+
+WHOLE_STEP_REPEATS = 3
+"""Whole steps timed after the warm-up; their median counts, as the benchmark's measured
+step is the median of its counted steps. With one timed step, a step that met a busy moment
+of the host set the scale of every cost of that device: three profiles in a row predicted
+``ci-2dev``'s fast device alone at 0.59-0.74 s and the slow one at 1.59-2.50 s with one
+timed step, 0.70-0.74 s and 1.81-1.97 s with the median of three."""
+
+
+@dataclass(frozen=True)
+class WholeStep:
+    """What :func:`time_whole_step` measured."""
+
+    seconds: float
+    """The median whole step."""
+    per_pass_s: float | None = None
+    """What each micro-batch beyond the first adds to it (median of the paired differences,
+    never negative); None: not timed cut (one pass asked, or one sequence)."""
+
+
+def time_whole_step(shape: Shape, passes: int = 1, repeats: int = WHOLE_STEP_REPEATS) -> WholeStep:
+    """A real training step of the whole model on this device (random weights, LoRA when
+    profiled with it): the median of ``repeats`` steps after :data:`WHOLE_STEP_WARMUP`
+    untimed ones. It is the training loop's own step
+    (:class:`~xronos.train.trainer.Trainer`, default optimizer settings): a bare
+    forward + backward + AdamW ran 4-5 % faster than it on ``small``. With ``passes`` > 1
+    (at most the batch's sequences) each round also times the step with its batch cut into
+    that many micro-batches, right after the whole one."""
+    cfg = shape.cfg
+    plan = Plan.single(cfg)
+    model = build_model(cfg, plan, TPGroup(), lora=shape.lora)  # what ``single`` trains
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (shape.batch_size, shape.seq_len), generator=gen)
+    trainer = Trainer(model, cfg, plan, TPGroup(), OptimConfig())
+    passes = min(passes, shape.batch_size)
+    whole = [(ids, ids)]
+    cut = [(part, part) for part in ids.tensor_split(passes)]
+
+    def timed(micro: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        t0 = time.perf_counter()
+        trainer.step(micro)
+        return time.perf_counter() - t0
+
+    for k in range(WHOLE_STEP_WARMUP):
+        trainer.step(cut if passes > 1 and k == WHOLE_STEP_WARMUP - 1 else whole)
+    wholes, extra = [], []
+    for _ in range(repeats):
+        wholes.append(timed(whole))
+        if passes > 1:
+            extra.append((timed(cut) - wholes[-1]) / (passes - 1))
+    per_pass = max(statistics.median(extra), 0.0) if extra else None
+    return WholeStep(statistics.median(wholes), per_pass)
+
+
+def split_to_whole(parts: SegmentTimes, per_pass_s: float, totals: dict[str, int]) -> SegmentTimes:
+    """``parts`` with their per-micro-batch costs (``split_s``, ``embed_split_s``) replaced
+    by ``per_pass_s``, the whole model's, shared out in proportion to the parts' times. Not
+    as the parts' own cuts measured it: one layer's cut is a few ms against the noise of
+    two timings, and on one device the layers' came out at 0 while the vocabulary's and the
+    embedding's did not, which put a pipeline's whole cost of cutting on its last stage."""
+    weights = {s: c(totals[s]) for s, c in parts.curves.items()}
+    total = sum(weights.values()) + parts.embed_s
+    if total <= 0:
+        return parts
+    return replace(
+        parts,
+        split_s={s: per_pass_s * w / total for s, w in weights.items()},
+        embed_split_s=per_pass_s * parts.embed_s / total,
+    )
