@@ -159,7 +159,7 @@ def test_the_whole_step_is_the_median_of_its_timed_steps(monkeypatch: pytest.Mon
     # The warm-up steps (slow: allocator, AdamW's moments) are not counted, and one step
     # that met a busy moment of the host (9.0) moves neither the median nor the result.
     clock = FakeClock()
-    monkeypatch.setattr(whole, "time", clock)
+    monkeypatch.setattr(measure, "time", clock)  # run_times' clock
     durations = iter([50.0, 40.0, 2.0, 9.0, 3.0])
     assert whole.WHOLE_STEP_WARMUP + whole.WHOLE_STEP_REPEATS == 5
     real_step = whole.Trainer.step
@@ -179,7 +179,7 @@ def test_a_cut_step_is_timed_right_after_each_whole_one(monkeypatch: pytest.Monk
     # pair (the third: 9.0 and 9.9) moves neither median. SHAPE's batch of 2 sequences is
     # cut into 2 however many passes are asked: one extra pass, cut - whole.
     clock = FakeClock()
-    monkeypatch.setattr(whole, "time", clock)
+    monkeypatch.setattr(measure, "time", clock)  # run_times' clock
     seen: list[int] = []
     durations = iter([50.0, 40.0, 2.0, 2.3, 3.0, 3.6, 9.0, 9.9])
     real_step = whole.Trainer.step

@@ -12,7 +12,6 @@ out at nothing when the host drifts between two timings.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from xronos.comm.mappings import TPGroup
 from xronos.parallel.shard import build_model
 from xronos.planner.plan import Plan
-from xronos.profiler.measure import SegmentTimes, Shape
+from xronos.profiler.measure import SegmentTimes, Shape, run_times
 from xronos.train.optim import OptimConfig
 from xronos.train.trainer import Trainer
 
@@ -69,9 +68,10 @@ def time_whole_step(shape: Shape, passes: int = 1, repeats: int = WHOLE_STEP_REP
     cut = [(part, part) for part in ids.tensor_split(passes)]
 
     def timed(micro: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        t0 = time.perf_counter()
-        trainer.step(micro)
-        return time.perf_counter() - t0
+        def step() -> None:
+            trainer.step(micro)
+
+        return run_times(step, 1)[0]
 
     for k in range(WHOLE_STEP_WARMUP):
         trainer.step(cut if passes > 1 and k == WHOLE_STEP_WARMUP - 1 else whole)
