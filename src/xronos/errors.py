@@ -8,6 +8,12 @@ class UserError(Exception):
     followed by a non-zero exit. Never raised for bugs in Xronos itself."""
 
 
+class RunComplete(UserError):
+    """``--resume`` found the run's newest checkpoint at its last step: nothing is left to
+    train. A mistake when the user asked; the end of the job when torchrun started the
+    workers again after they had finished (a device arrived as the run ended)."""
+
+
 class WorkerError(RuntimeError):
     """A device's worker failed or stopped answering; the message names the device.
     ``details`` holds the worker's traceback, shown with ``--verbose``."""

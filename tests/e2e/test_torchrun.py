@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -78,6 +79,28 @@ def test_torchrun_workers_train_like_one_process(tmp_path: Path) -> None:
     )
     # two ranks vs one: only the order of the all-reduce sums differs (fp32)
     assert _losses(tmp_path / "tr") == pytest.approx(_losses(tmp_path / "one"), rel=1e-4)
+
+    # torchrun starts the workers again when a device arrives as the run ends (restart
+    # count 0, the same agent) or after a failure (count > 0): the run has trained every
+    # step, so the workers end with a line and exit 0, and the run is left as it was
+    before = {p.name: p.read_bytes() for p in (tmp_path / "tr").iterdir() if p.is_file()}
+    env = os.environ | {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+    def worker(restarts: str, *argv: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "xronos", "worker", *ARGS, *argv]
+        env_n = env | {"TORCHELASTIC_RESTART_COUNT": restarts}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env_n)
+
+    again = worker("1", "--out", str(tmp_path / "tr"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "has trained every step" in again.stdout, again.stdout
+    # the user asking to continue it is a mistake, said in one line (exit 2)
+    asked = worker("0", "--resume", str(tmp_path / "tr"))
+    assert asked.returncode == 2, asked.stderr[-3000:]
+    assert "pass a larger --steps" in asked.stderr, asked.stderr
+    after = {p.name: p.read_bytes() for p in (tmp_path / "tr").iterdir() if p.is_file()}
+    assert after == before
 
 
 def test_worker_outside_torchrun_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,11 +23,10 @@ from tests.e2e.test_torchrun_coordinator import TOKEN, _data
 from tests.hf_models import make_checkpoint, save_word_tokenizer
 
 STEPS = 140
-"""Enough that the nuc, started again once the job runs on two, is back before the end: it
-is lost after a checkpoint at step 40 or 60, so the two have at least 80 steps to do (about
-10 s at 8 steps a second), and the nuc's agent needs a few seconds to join: on a 2-core host
-it was back after the two had done 1 step, and 12 with another test suite running beside
-them."""
+"""Enough steps for a loss and a return: each time the nuc starts, the workers are held
+(``_Job.hold``) until its agent is in the rendezvous, so it joins at the step where it was
+started, whatever the host's load (a busy 2-core host once let the nuc's first join take
+until step 100, and the run ended before its return)."""
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=2,keep_alive_max_attempt=3"
 """A round closes 2 s after its last node. The nuc is killed without a word to the
 rendezvous, and the next round can only start once every node of the last one has left it:
@@ -112,6 +111,22 @@ class _Job:
             assert self.procs[0][0].poll() is None, self.hub_log.read_text()[-3000:]
             time.sleep(0.2)
 
+    def hold(self, host: str, log_name: str) -> subprocess.Popen[bytes]:
+        """Start ``host``'s agent with the running workers held (SIGSTOP), and let them go
+        on (SIGCONT) once the hub's agent stops them for a new round (torchrun's line
+        "closing signal SIGTERM"): the device joins before the run moves on."""
+        stops = self.hub_log.read_text().count("closing signal SIGTERM")
+        workers = [w for p, _ in self.procs if p.poll() is None for w in _children(p.pid)]
+        for w in workers:
+            os.kill(w, signal.SIGSTOP)
+        try:
+            p = self.start(host, log_name)
+            self.wait_for(lambda: self.hub_log.read_text().count("closing signal SIGTERM") > stops)
+        finally:
+            for w in workers:
+                os.kill(w, signal.SIGCONT)
+        return p
+
     def said(self) -> list[str]:
         """How many devices the coordinator said it coordinates, each time it started."""
         return re.findall(r"coordinating (\d) devices", self.hub_log.read_text())
@@ -164,7 +179,7 @@ def test_a_device_joins_a_running_job_is_lost_and_comes_back(tmp_path: Path) -> 
         time.sleep(3)  # the hub's agent hosts the rendezvous store, as on a real network
         job.start("pi", "pi.log")
         job.checkpoint(20)
-        nuc = job.start("nuc", "nuc.log")  # a device arrives: the job grows to three
+        nuc = job.hold("nuc", "nuc.log")  # a device arrives: the job grows to three
         job.wait_for(lambda: job.said() == ["2", "3"])
         # a checkpoint the three wrote: the run goes on from there when the nuc is lost
         resumed = re.findall(r"resuming from \S+ \(step (\d+)\)", job.hub_log.read_text())
@@ -173,7 +188,7 @@ def test_a_device_joins_a_running_job_is_lost_and_comes_back(tmp_path: Path) -> 
         for pid in [*_children(nuc.pid), nuc.pid]:  # the nuc is gone, agent and worker
             os.kill(pid, signal.SIGKILL)
         job.wait_for(lambda: job.said() == ["2", "3", "2"])
-        job.start("nuc", "nuc-again.log")  # and comes back
+        job.hold("nuc", "nuc-again.log")  # and comes back
         for p, _ in [job.procs[0], job.procs[1], job.procs[3]]:
             assert p.wait(timeout=240) == 0, job.hub_log.read_text()[-4000:]
     finally:

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from xronos.cli.finetune import add_config_flags
 from xronos.comm.auth import join_torchrun_group
 from xronos.comm.job_token import TOKEN_ENV, load_token
-from xronos.errors import UserError, WorkerError
+from xronos.errors import RunComplete, UserError, WorkerError
 from xronos.runconfig import build_config, config_fields, load_toml
 
 
@@ -195,14 +195,26 @@ def run(args: argparse.Namespace) -> int:
             restarted = restarted or bool(out and restarted_by_agent(Path(out), agent))
             if restarted and not asked.get("resume") and out and latest_checkpoint(out):
                 asked["resume"] = out  # continue where it was
-            prep = prepare_run(asked, args.config, cluster)
+            try:
+                prep = prepare_run(asked, args.config, cluster)
+            except RunComplete as e:
+                if not restarted:  # the user asked to continue a run that has ended
+                    raise UserError(str(e)) from None
+                raise RunComplete(
+                    f"the run in {asked['resume']} has trained every step; torchrun started the "
+                    "workers again as it ended (a device came or went): nothing to do"
+                ) from None
             write_config(prep)
             record_agent(prep.run_dir, agent)
             for line in prep.notes:
                 print(line)
             return prep
 
-        shared = share_job(rank, world, make, local.timeout)
+        try:
+            shared = share_job(rank, world, make, local.timeout)
+        except RunComplete as e:
+            print(f"xronos: device '{me}': {e}")
+            return 0
         ctx = WorkerContext(
             rank, world, me, TPGroup.from_default(), shared.cfg.timeout, tuple(names)
         )

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from xronos.comm.groups import new_group
 from xronos.comm.relay import RelayClient, install
-from xronos.errors import UserError
+from xronos.errors import RunComplete, UserError
 from xronos.run.moves import move_prefix
 from xronos.run.prepare import Prepared
 from xronos.run.relay_server import RelayServer
@@ -61,7 +61,8 @@ class Shared:
 def share_job(rank: int, world: int, make: Callable[[], Prepared], timeout_s: float) -> Shared:
     """Prepare the job on the coordinator and give it to every device; start the relay.
     Collective over the default group. A failure on the coordinator stops every device
-    with its line (no device waits for a job that will not come)."""
+    with its line (no device waits for a job that will not come); a run it finds complete
+    (``RunComplete``) ends every device with it."""
     relay = new_group(timeout_s=RELAY_IDLE.total_seconds())
     sent: list[object] = [None, None]
     prep: Prepared | None = None
@@ -70,11 +71,13 @@ def share_job(rank: int, world: int, make: Callable[[], Prepared], timeout_s: fl
             prep = make()
             sent = [prep.job, prep.cfg]
         except UserError as e:
-            sent = [None, str(e)]
+            sent = [None, RunComplete(str(e)) if isinstance(e, RunComplete) else str(e)]
             dist.broadcast_object_list(sent, src=0)
             raise
     dist.broadcast_object_list(sent, src=0)
     job, cfg = sent
+    if isinstance(cfg, RunComplete):
+        raise cfg
     if not isinstance(job, FinetuneJob) or not isinstance(cfg, RunConfig):
         raise UserError(f"the coordinator stopped: {cfg}")
     job = replace(job, session=replace(job.session, anchor=0))

@@ -31,7 +31,7 @@ from xronos.data import (
     tokenize,
 )
 from xronos.emulation import ClusterSpec, load_cluster
-from xronos.errors import UserError
+from xronos.errors import RunComplete, UserError
 from xronos.model.gguf_resolve import resolve_tokenizer
 from xronos.model.lora import LoRAConfig
 from xronos.planner.hybrid import HybridPlan
@@ -318,7 +318,7 @@ def resume_job(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
     meta = read_checkpoint_meta(ckpt)
     prep = prepare(replace(cfg, out=cfg.resume), cluster=cluster)
     if int(meta["step"]) >= prep.job.steps:
-        raise UserError(
+        raise RunComplete(
             f"--resume {cfg.resume}: its checkpoint is at step {meta['step']} of "
             f"{prep.job.steps}; pass a larger --steps to train further"
         )
