@@ -81,8 +81,8 @@ def test_torchrun_workers_train_like_one_process(tmp_path: Path) -> None:
     assert _losses(tmp_path / "tr") == pytest.approx(_losses(tmp_path / "one"), rel=1e-4)
 
     # torchrun starts the workers again when a device arrives as the run ends (restart
-    # count 0, the same agent) or after a failure (count > 0): the run has trained every
-    # step, so the workers end with a line and exit 0, and the run is left as it was
+    # count 0, the same agent) or after a failure (count > 0; here 1): the run has trained
+    # every step, so the workers end with a line and exit 0, and the run is left as it was
     before = {p.name: p.read_bytes() for p in (tmp_path / "tr").iterdir() if p.is_file()}
     env = os.environ | {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}

@@ -5,6 +5,7 @@ newest checkpoint under a plan for the devices now present."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -118,13 +119,15 @@ class _Job:
         stops = self.hub_log.read_text().count("closing signal SIGTERM")
         workers = [w for p, _ in self.procs if p.poll() is None for w in _children(p.pid)]
         for w in workers:
-            os.kill(w, signal.SIGSTOP)
+            with contextlib.suppress(ProcessLookupError):  # one that just ended
+                os.kill(w, signal.SIGSTOP)
         try:
             p = self.start(host, log_name)
             self.wait_for(lambda: self.hub_log.read_text().count("closing signal SIGTERM") > stops)
         finally:
             for w in workers:
-                os.kill(w, signal.SIGCONT)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w, signal.SIGCONT)
         return p
 
     def said(self) -> list[str]:
