@@ -98,3 +98,18 @@ def test_a_hybrid_on_two_devices_is_refused_before_anything_starts(
     )
     _one_line(code, err, "--strategy hybrid", "three devices", "has 2", "--strategy auto")
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_a_new_run_into_another_runs_directory_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new run writing its checkpoints beside an older run's would leave ``--resume``
+    continuing whichever has the higher step: the older run's, here."""
+    quick = ["--model", "tiny", "--strategy", "single", "--eval-size", "0"]
+    code, err = _finetune(capsys, tmp_path, *quick, "--steps", "2")
+    assert code == 0, err
+    run = tmp_path / "run"
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    code, err = _finetune(capsys, tmp_path, *quick, "--steps", "1")
+    _one_line(code, err, f"--out {run}", "step 2", f"--resume {run}", "another --out")
+    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before

@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
             if restarted and not asked.get("resume") and out and latest_checkpoint(out):
                 asked["resume"] = out  # continue where it was
             try:
-                prep = prepare_run(asked, args.config, cluster)
+                prep = prepare_run(asked, args.config, cluster, restart=restarted)
             except RunComplete as e:
                 if not restarted:  # the user asked to continue a run that has ended
                     raise UserError(str(e)) from None

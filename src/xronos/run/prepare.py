@@ -293,16 +293,39 @@ def saved_config(run_dir: str) -> dict[str, Any]:
 
 
 def prepare_run(
-    flags: dict[str, Any], config: str | None, cluster: ClusterSpec | None = None
+    flags: dict[str, Any],
+    config: str | None,
+    cluster: ClusterSpec | None = None,
+    *,
+    restart: bool = False,
 ) -> Prepared:
     """The finetune options as the command line gives them — defaults < the ``--config``
     TOML < a resumed run's own settings < flags — checked and prepared (``--resume``: from
-    the run's newest checkpoint). ``cluster`` overrides the configured cluster."""
+    the run's newest checkpoint). ``cluster`` overrides the configured cluster. A new run
+    is refused an ``--out`` that holds another run's checkpoints (a later ``--resume``
+    would continue that run's), unless ``restart``: torchrun starting the same job again
+    before its first checkpoint."""
     base = load_toml(config) if config else {}
     if flags.get("resume"):
         base = saved_config(str(flags["resume"])) | base
     cfg = build_config(base, flags)
-    return resume_job(cfg, cluster) if cfg.resume else prepare(cfg, cluster=cluster)
+    if cfg.resume:
+        return resume_job(cfg, cluster)
+    if cfg.out and not restart:
+        _refuse_a_used_out(cfg.out)
+    return prepare(cfg, cluster=cluster)
+
+
+def _refuse_a_used_out(out: str) -> None:
+    from xronos.checkpoint import latest_checkpoint, read_checkpoint_meta
+
+    ckpt = latest_checkpoint(out)
+    if ckpt is not None:
+        step = read_checkpoint_meta(ckpt)["step"]
+        raise UserError(
+            f"--out {out} already holds a run (its newest checkpoint is at step {step}); "
+            f"continue it with --resume {out}, or choose another --out"
+        )
 
 
 def resume_job(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
