@@ -24,7 +24,7 @@ from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import segment_units
 from xronos.planner.profile import CostCurve
 from xronos.profiler import measure, whole
-from xronos.profiler.measure import Shape, fit_line, measure_segments, unit_points
+from xronos.profiler.measure import SegmentTimes, Shape, fit_line, measure_segments, unit_points
 from xronos.profiler.whole import WholeStep
 
 SHAPE = Shape(cfg=tiny(), batch_size=2, seq_len=16, mlp_chunk=8, vocab_chunk=32)
@@ -199,8 +199,6 @@ def test_a_cut_step_is_timed_right_after_each_whole_one(monkeypatch: pytest.Monk
 
 
 def test_what_a_micro_batch_adds_is_shared_as_the_parts_take_time() -> None:
-    from xronos.profiler.measure import SegmentTimes
-
     totals = {"attn": 4, "mlp": 8, "vocab": 16}
     curves = {"attn": CostCurve(0, 0.05), "mlp": CostCurve(0, 0.05), "vocab": CostCurve(0, 0.025)}
     # the parts' own cuts (one layer's came out at nothing) are replaced, not scaled: times

@@ -357,7 +357,7 @@ def scaled(
     room = usable_memory(memory_cap)
     whole: WholeStep | None = None
     if 0 < predicted <= WHOLE_STEP_MAX_S and (room == 0 or need <= room):
-        whole = time_whole_step(shape, min(SPLIT_PASSES, shape.batch_size))
+        whole = time_whole_step(shape, SPLIT_PASSES)  # at most one sequence a pass
     ratio = None if whole is None else whole.seconds / predicted
     ratios = [r for r in group.gather_object(ratio) if r is not None]
     k = ratio if ratio is not None else statistics.median(ratios) if ratios else 1.0

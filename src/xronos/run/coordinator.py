@@ -71,7 +71,7 @@ def share_job(rank: int, world: int, make: Callable[[], Prepared], timeout_s: fl
             prep = make()
             sent = [prep.job, prep.cfg]
         except UserError as e:
-            sent = [None, RunComplete(str(e)) if isinstance(e, RunComplete) else str(e)]
+            sent = [None, e if isinstance(e, RunComplete) else str(e)]
             dist.broadcast_object_list(sent, src=0)
             raise
     dist.broadcast_object_list(sent, src=0)
