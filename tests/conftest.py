@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+
+import pytest
 
 # gloo silently returns wrong data on shape mismatches unless asked to check them.
 os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
@@ -12,3 +15,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # `xronos finetune` without --model fine-tunes the random `tiny` preset in tests, not the
 # pretrained default model (which is not a requirement of the test suite).
 os.environ.setdefault("XRONOS_DEFAULT_MODEL", "tiny")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _children_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The programs the tests start keep their temporary files under pytest's own base
+    directory, which pytest prunes, not in the host's /tmp (torchrun's agents each leave a
+    log directory there)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmp")))
+        yield
