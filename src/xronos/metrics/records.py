@@ -29,6 +29,7 @@ Tensor layout (all float64)::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -158,6 +159,13 @@ def packed_size(n_records: int, max_events: int, name_bytes: int = 48) -> int:
 
 
 def _encode(text: str, name_bytes: int, out: list[float]) -> None:
+    out.extend(_name_words(text, name_bytes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _name_words(text: str, name_bytes: int) -> tuple[float, ...]:
+    """``text`` as the float64 words it travels in (cached: a step's span names are the
+    last step's, and encoding them anew every step costs the slowest device most)."""
     raw = text.encode()
     if len(raw) > name_bytes:
         raise ValueError(
@@ -165,11 +173,18 @@ def _encode(text: str, name_bytes: int, out: list[float]) -> None:
             f"{name_bytes}; pass a larger name_bytes to pack_records"
         )
     raw = raw.ljust(_words(name_bytes) * _BYTES_PER_FLOAT, b"\0")
-    for i in range(0, len(raw), _BYTES_PER_FLOAT):
-        out.append(float(int.from_bytes(raw[i : i + _BYTES_PER_FLOAT], "little")))
+    return tuple(
+        float(int.from_bytes(raw[i : i + _BYTES_PER_FLOAT], "little"))
+        for i in range(0, len(raw), _BYTES_PER_FLOAT)
+    )
 
 
 def _decode(words: Sequence[float]) -> str:
+    return _text(tuple(words))
+
+
+@functools.lru_cache(maxsize=4096)
+def _text(words: tuple[float, ...]) -> str:
     raw = b"".join(int(x).to_bytes(_BYTES_PER_FLOAT, "little") for x in words)
     return raw.rstrip(b"\0").decode()
 
