@@ -158,10 +158,6 @@ def packed_size(n_records: int, max_events: int, name_bytes: int = 48) -> int:
     return _HEADER + n_records * per_record
 
 
-def _encode(text: str, name_bytes: int, out: list[float]) -> None:
-    out.extend(_name_words(text, name_bytes))
-
-
 @functools.lru_cache(maxsize=4096)
 def _name_words(text: str, name_bytes: int) -> tuple[float, ...]:
     """``text`` as the float64 words it travels in (cached: a step's span names are the
@@ -215,12 +211,12 @@ def pack_records(
             )
         out += [float(rec.rank), float(rec.step), rec.start, rec.end]
         out += [float(len(rec.collectives)), float(len(rec.computes))]
-        _encode(rec.device, name_bytes, out)
+        out += _name_words(rec.device, name_bytes)
         for is_compute, spans in ((0.0, rec.collectives), (1.0, rec.computes)):
             for span in spans:
                 out += [span.start, span.end, is_compute]
-                _encode(span.name, name_bytes, out)
-                _encode(span.kind, name_bytes, out)
+                out += _name_words(span.name, name_bytes)
+                out += _name_words(span.kind, name_bytes)
         out += [0.0] * ((max_events - n_events) * (3 + 2 * w))
     return torch.tensor(out, dtype=torch.float64)
 
