@@ -13,7 +13,7 @@ import torch
 
 from tests.dist.world import WorkerContext, run_world
 from xronos.comm.groups import new_group
-from xronos.comm.iothreads import IO_THREAD, starved
+from xronos.comm.iothreads import IO_THREAD, window, starved
 
 
 def _io_policies() -> list[int]:
@@ -54,3 +54,15 @@ def test_a_slower_cpu_is_not_another_program() -> None:
     # waiting the whole window while our threads compute: our own work, not another program
     assert not starved(window, window, window)
     assert starved(window, 0, window)
+
+
+def test_a_window_counts_our_other_threads_and_the_longest_io_wait() -> None:
+    ms = 1_000_000
+    # thread 7 waited 40 ms for the CPU and ran 5 ms; thread 9 appeared during the window
+    # (its whole life counts: 12 ms waiting, 3 ms running); the process's threads other
+    # than the guard used 100 ms of CPU, so ours ran 100 - 5 - 3 ms
+    last = ({7: (20 * ms, 10 * ms)}, 500 * ms)
+    now = ({7: (25 * ms, 50 * ms), 9: (3 * ms, 12 * ms)}, 600 * ms)
+    assert window(last, now) == (40 * ms, 92 * ms)
+    # a thread that ended is left out of both terms (its run stays in the process's)
+    assert window(now, ({9: (3 * ms, 12 * ms)}, 600 * ms)) == (0, 0)
