@@ -141,3 +141,68 @@ def test_latency_report_is_honest_about_netem(tmp_path: Path) -> None:
         assert "latency by the communication layer" in report
         assert "link: 5 ms (latency in the communication layer)" in report
         assert emu.comm_latencies() == (0.005,)
+
+
+SWAP_BYTES = 256 * 1024
+"""One activation all-reduce of the 2-core scenarios in bf16 (256 × 512 × 2 bytes)."""
+SWAPS = 15
+
+
+def swap_child(slot: DeviceSlot, host: str | None, port: int, out: Any) -> None:
+    """Exchange SWAP_BYTES with the peer SWAPS times, a pause before each (the bucket
+    refills), both directions at once, as the two-device all-reduce does; the server side
+    (``host`` None) reports each exchange's seconds."""
+    import threading
+    import time
+
+    slot.enter(configure_torch=False)
+    if host is None:
+        with socket.socket() as s:
+            s.bind((slot.ip, port))
+            s.listen(1)
+            out.put("listening")
+            conn, _ = s.accept()
+    else:
+        conn = socket.create_connection((host, port), timeout=10)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf, payload, times = bytearray(SWAP_BYTES), bytes(SWAP_BYTES), []
+    with conn:
+        for _ in range(SWAPS):
+            time.sleep(0.015)
+            t = time.perf_counter()
+            sender = threading.Thread(target=conn.sendall, args=(payload,))
+            sender.start()
+            view, got = memoryview(buf), 0
+            while got < SWAP_BYTES:
+                got += conn.recv_into(view[got:], SWAP_BYTES - got)
+            sender.join()
+            times.append(time.perf_counter() - t)
+    if host is None:
+        out.put(times)
+
+
+@pytest.mark.slow
+def test_a_shaped_link_takes_each_message_its_time_on_the_wire(tmp_path: Path) -> None:
+    rate = 1e9
+    cluster = ClusterSpec("c", tuple(DeviceSpec(n, 1, 1.0, bandwidth_bps=rate) for n in ("a", "b")))
+    with Emulator(cluster, f"t{uuid.uuid4().hex[:8]}", network=True, state_dir=tmp_path) as emu:
+        if emu.net is None:
+            pytest.skip(f"network emulation unavailable: {emu.notes.get('network')}")
+        out = SPAWN.Queue()
+        a, b = emu.slot(0), emu.slot(1)
+        port = 47_000 + os.getpid() % 1000
+        server = SPAWN.Process(target=swap_child, args=(a, None, port, out))
+        server.start()
+        assert out.get(timeout=60) == "listening"
+        client = SPAWN.Process(target=swap_child, args=(b, a.ip, port, out))
+        client.start()
+        times = sorted(out.get(timeout=120))
+        server.join(timeout=10)
+        client.join(timeout=10)
+    # Each direction carries the payload in ~1448-byte segments, 1514 bytes a frame as tbf
+    # counts them: ~274 KB, 2.19 ms at 1 Gbit/s. The bucket lets 62.5 KB of it pass at once
+    # after the pause (0.5 ms of traffic), so the wire alone takes at least ~1.7 ms; a busy
+    # host only makes an exchange slower. A bucket of 2 ms of traffic (250 KB) passed the
+    # exchange in ~0.5 ms, as fast as no link at all.
+    wire_s = SWAP_BYTES / 1448 * 1514 * 8 / rate
+    assert times[len(times) // 2] >= 0.75 * wire_s, times

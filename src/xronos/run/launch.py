@@ -14,6 +14,7 @@ from typing import Any, cast
 from xronos.comm.launch import WorkerFn, launch
 from xronos.emulation import ClusterSpec, Emulator
 from xronos.emulation.limits import Mechanism
+from xronos.emulation.netns import BUCKET_S
 from xronos.emulation.slot import assign_cpus, cpu_sharers
 from xronos.errors import UserError
 from xronos.utils import atomic_write_text
@@ -67,6 +68,8 @@ def measurement_context(
                 "cpu_limit": cpu_limit if emulate else None,
                 "cpu_model": _cpu_model(),
                 "shares_cpus_with": sorted(sharing) if emulate else [],
+                # a shaped link's bucket decides what a message costs (earlier: 2 ms)
+                "link_bucket_s": BUCKET_S if d.bandwidth_bps is not None else None,
             }
         )
     return out
