@@ -13,7 +13,7 @@ import torch
 
 from tests.dist.world import WorkerContext, run_world
 from xronos.comm.groups import new_group
-from xronos.comm.iothreads import IO_THREAD, window, starved
+from xronos.comm.iothreads import IO_THREAD, starved, window_deltas
 
 
 def _io_policies() -> list[int]:
@@ -63,6 +63,6 @@ def test_a_window_counts_our_other_threads_and_the_longest_io_wait() -> None:
     # than the guard used 100 ms of CPU, so ours ran 100 - 5 - 3 ms
     last = ({7: (20 * ms, 10 * ms)}, 500 * ms)
     now = ({7: (25 * ms, 50 * ms), 9: (3 * ms, 12 * ms)}, 600 * ms)
-    assert window(last, now) == (40 * ms, 92 * ms)
+    assert window_deltas(last, now) == (40 * ms, 92 * ms)
     # a thread that ended is left out of both terms (its run stays in the process's)
-    assert window(now, ({9: (3 * ms, 12 * ms)}, 600 * ms)) == (0, 0)
+    assert window_deltas(now, ({9: (3 * ms, 12 * ms)}, 600 * ms)) == (0, 0)

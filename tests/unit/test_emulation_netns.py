@@ -8,6 +8,8 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -151,16 +153,13 @@ SWAPS = 15
 def swap_child(slot: DeviceSlot, host: str | None, port: int, out: Any) -> None:
     """Exchange SWAP_BYTES with the peer SWAPS times, a pause before each (the bucket
     refills), both directions at once, as the two-device all-reduce does; the server side
-    (``host`` None) reports each exchange's seconds."""
-    import threading
-    import time
-
+    (``host`` None) reports its port, then each exchange's seconds."""
     slot.enter(configure_torch=False)
     if host is None:
         with socket.socket() as s:
-            s.bind((slot.ip, port))
+            s.bind((slot.ip, 0))
             s.listen(1)
-            out.put("listening")
+            out.put(s.getsockname()[1])
             conn, _ = s.accept()
     else:
         conn = socket.create_connection((host, port), timeout=10)
@@ -190,10 +189,9 @@ def test_a_shaped_link_takes_each_message_its_time_on_the_wire(tmp_path: Path) -
             pytest.skip(f"network emulation unavailable: {emu.notes.get('network')}")
         out = SPAWN.Queue()
         a, b = emu.slot(0), emu.slot(1)
-        port = 47_000 + os.getpid() % 1000
-        server = SPAWN.Process(target=swap_child, args=(a, None, port, out))
+        server = SPAWN.Process(target=swap_child, args=(a, None, 0, out))
         server.start()
-        assert out.get(timeout=60) == "listening"
+        port = out.get(timeout=60)
         client = SPAWN.Process(target=swap_child, args=(b, a.ip, port, out))
         client.start()
         times = sorted(out.get(timeout=120))

@@ -134,7 +134,7 @@ def _sample() -> tuple[dict[int, tuple[int, int]], int]:
     return io, process - time.thread_time_ns()
 
 
-def window(
+def window_deltas(
     last: tuple[dict[int, tuple[int, int]], int], now: tuple[dict[int, tuple[int, int]], int]
 ) -> tuple[int, int]:
     """(largest wait for the CPU of any I/O thread, run time of our other threads) between
@@ -159,7 +159,7 @@ def _guard() -> None:
     while not _state["restored"]:
         time.sleep(GUARD_WINDOW_S)
         now, t_now = _sample(), time.monotonic_ns()
-        run = run + 1 if starved(*window(last, now), t_now - t_last) else 0
+        run = run + 1 if starved(*window_deltas(last, now), t_now - t_last) else 0
         last, t_last = now, t_now
         if run >= GUARD_WINDOWS:
             restore_io_threads()

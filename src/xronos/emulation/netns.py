@@ -143,13 +143,8 @@ def _shape(prefix: list[str], dev: str, device: DeviceSpec, netem: bool) -> None
     tc = [*prefix, "qdisc", "add", "dev", dev]
     rate = None
     if device.bandwidth_bps is not None:
-        rate = [
-            "tbf",
-            "rate",
-            f"{int(device.bandwidth_bps)}bit",
-            "burst",
-            str(bucket(device.bandwidth_bps)),
-        ]
+        burst = bucket(device.bandwidth_bps)
+        rate = ["tbf", "rate", f"{int(device.bandwidth_bps)}bit", "burst", str(burst)]
         rate += ["latency", "50ms"]
     if device.latency_s and netem:
         _run(*tc, "root", "handle", "1:", "netem", "delay", f"{round(device.latency_s * 1e6)}us")
