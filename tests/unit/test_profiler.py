@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import pytest
@@ -154,34 +154,67 @@ def test_the_points_of_a_line_are_timed_in_turn(monkeypatch: pytest.MonkeyPatch)
     assert order == ["a", "b"] * 3  # interleaved, not a's repeats then b's
 
 
-def test_the_whole_step_is_the_median_of_its_timed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The training loop's real step runs; the clock advances by a made-up duration per step.
-    # The warm-up steps (slow: allocator, AdamW's moments) are not counted, and one step
-    # that met a busy moment of the host (9.0) moves neither the median nor the result.
+def _steps_taking(monkeypatch: pytest.MonkeyPatch, durations: list[float]) -> Iterator[float]:
+    """The training loop's real step runs; the clock advances by the next made-up duration."""
     clock = FakeClock()
     monkeypatch.setattr(measure, "time", clock)  # run_times' clock
-    durations = iter([50.0, 40.0, 2.0, 9.0, 3.0])
-    assert whole.WHOLE_STEP_WARMUP + whole.WHOLE_STEP_REPEATS == 5
+    left = iter(durations)
     real_step = whole.Trainer.step
 
     def step(self: whole.Trainer, *args: object, **kwargs: object) -> object:
         out = real_step(self, *args, **kwargs)  # type: ignore[arg-type]
-        clock.now += next(durations)
+        clock.now += next(left)
         return out
 
     monkeypatch.setattr(whole.Trainer, "step", step)
-    assert whole.time_whole_step(SHAPE) == whole.WholeStep(3.0, None)
-    assert next(durations, None) is None  # every step ran: 2 warm-up, 3 timed
+    return left
+
+
+WARM = [50.0, 40.0, 30.0]  # the warm-up steps: slow (allocator, AdamW's moments), not counted
+
+
+def test_the_whole_step_is_the_median_of_its_timed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three timed steps that agree within 10 %: their median, and no more steps are run.
+    assert len(WARM) == whole.WHOLE_STEP_WARMUP and whole.WHOLE_STEP_REPEATS == 3
+    left = _steps_taking(monkeypatch, [*WARM, 3.0, 3.2, 3.1, 99.0])
+    got = whole.time_whole_step(SHAPE)
+    assert got.seconds == pytest.approx(3.1) and got.per_pass_s is None  # a float clock
+    assert next(left) == 99.0  # the fourth was never run
+
+
+def test_a_busy_moment_over_two_timed_steps_is_waited_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A busy moment that spans two of the three (9.0, 9.2) would be the median of three;
+    # the profiler times more until three agree and takes theirs.
+    left = _steps_taking(monkeypatch, [*WARM, 9.0, 9.2, 3.0, 3.1, 3.05, 99.0])
+    got = whole.time_whole_step(SHAPE)
+    assert got.seconds == pytest.approx(3.05) and got.per_pass_s is None  # a float clock
+    assert next(left) == 99.0
+
+
+def test_a_host_that_never_settles_is_timed_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No three agree within WHOLE_STEP_MAX_REPEATS: the median of all of them (the host the
+    # run will meet), and the profiler stops there.
+    timed = [2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]
+    assert len(timed) == whole.WHOLE_STEP_MAX_REPEATS
+    left = _steps_taking(monkeypatch, [*WARM, *timed, 99.0])
+    got = whole.time_whole_step(SHAPE)
+    assert got.seconds == pytest.approx(16.0) and got.per_pass_s is None  # a float clock
+    assert next(left) == 99.0
+
+
+def test_the_fastest_steps_agree_within_ten_percent() -> None:
+    assert whole.agreeing([3.0, 9.0, 3.2, 3.1]) == [3.0, 3.1, 3.2]
+    assert whole.agreeing([3.0, 3.31, 9.0]) is None  # 3.31 / 3.0 - 1 > 10 %
+    assert whole.agreeing([3.0, 3.2]) is None  # too few
 
 
 def test_a_cut_step_is_timed_right_after_each_whole_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Each cut step is paired with the whole step before it: a slow moment that hits one
-    # pair (the third: 9.0 and 9.9) moves neither median. SHAPE's batch of 2 sequences is
+    # Each cut step is paired with the whole step before it. SHAPE's batch of 2 sequences is
     # cut into 2 however many passes are asked: one extra pass, cut - whole.
     clock = FakeClock()
     monkeypatch.setattr(measure, "time", clock)  # run_times' clock
     seen: list[int] = []
-    durations = iter([50.0, 40.0, 2.0, 2.3, 3.0, 3.6, 9.0, 9.9])
+    durations = iter([50.0, 40.0, 30.0, 3.0, 3.3, 3.1, 3.3, 2.9, 3.5])
     real_step = whole.Trainer.step
 
     def step(self: whole.Trainer, micro: list[object], *args: object) -> object:
@@ -193,9 +226,9 @@ def test_a_cut_step_is_timed_right_after_each_whole_one(monkeypatch: pytest.Monk
     monkeypatch.setattr(whole.Trainer, "step", step)
     got = whole.time_whole_step(SHAPE, passes=4)
     assert SHAPE.batch_size == 2
-    assert seen == [1, 2, 1, 2, 1, 2, 1, 2]  # warm-up: whole, then cut; then pairs
-    assert got.seconds == 3.0
-    assert got.per_pass_s == pytest.approx(0.6)  # the pairs' 0.3, 0.6, 0.9
+    assert seen == [1, 1, 2, 1, 2, 1, 2, 1, 2]  # warm-up: whole, whole, cut; then pairs
+    assert got.seconds == pytest.approx(3.0)
+    assert got.per_pass_s == pytest.approx(0.3)  # the pairs' 0.3, 0.2, 0.6
 
 
 def test_what_a_micro_batch_adds_is_shared_as_the_parts_take_time() -> None:

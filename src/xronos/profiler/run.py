@@ -68,6 +68,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
                 "sync: its rounds pay the emulated link latency",
                 "split: the cut timed in the line's rounds",
                 "split: shared out from the whole step cut",
+                "whole step: 3 warm-up steps; the median of 3 that agree within 10 %",
             ],
             "optimizer": "adamw fused",  # the step's optimizer, as the update is timed
         },

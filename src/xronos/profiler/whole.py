@@ -23,19 +23,42 @@ from xronos.profiler.measure import SegmentTimes, Shape, run_times
 from xronos.train.optim import OptimConfig
 from xronos.train.trainer import Trainer
 
-WHOLE_STEP_WARMUP = 2
-"""Untimed steps before the whole step is timed (the second one cut, when it is timed cut).
-The first two steps of a freshly built model run slower than the rest (the allocator still
+WHOLE_STEP_WARMUP = 3
+"""Untimed steps before the whole step is timed (the last one cut, when it is timed cut).
+The first steps of a freshly built model run slower than the rest (the allocator still
 growing, AdamW's moments created): measured in the profiler on ``ci-2dev``, steps 1-6 took
 0.76, 0.74, 0.61, 0.60, 0.71, 0.67 s on the full-speed device and 2.64, 1.92, 1.34, 1.56,
-1.38, 1.38 s on the 0.4 one, so timing the second step put every prediction 10-40 % high."""
+1.38, 1.38 s on the 0.4 one, so timing the second step put every prediction 10-40 % high.
+The third is still slow: after two warm-up steps, three profiles of ``ci-2dev`` in a row
+timed the fast device's first whole step at 0.462-0.466 s and the next two at
+0.396-0.406 s."""
 
 WHOLE_STEP_REPEATS = 3
-"""Whole steps timed after the warm-up; their median counts, as the benchmark's measured
-step is the median of its counted steps. With one timed step, a step that met a busy moment
-of the host set the scale of every cost of that device: three profiles in a row predicted
-``ci-2dev``'s fast device alone at 0.59-0.74 s and the slow one at 1.59-2.50 s with one
-timed step, 0.70-0.74 s and 1.81-1.97 s with the median of three."""
+"""Whole steps timed after the warm-up; the median of those that agree counts, as the
+benchmark's measured step is the median of its counted steps. With one timed step, a step
+that met a busy moment of the host set the scale of every cost of that device: three
+profiles in a row predicted ``ci-2dev``'s fast device alone at 0.59-0.74 s and the slow one
+at 1.59-2.50 s with one timed step, 0.70-0.74 s and 1.81-1.97 s with the median of three."""
+
+WHOLE_STEP_AGREE = 0.10
+"""How far (slowest / fastest - 1) the :data:`WHOLE_STEP_REPEATS` fastest timed steps may
+lie apart and count. A quiet host times them within 3 % (the profiles above: 0.396-0.406 s);
+a busy moment that spans two of three steps moves their median with it (measured once on
+``ci-2dev`` at 1 Gbit/s: the fast device's step profiled at 0.560 s, measured 0.410 s in
+the run, so the prediction of ``single`` was 37 % off)."""
+
+WHOLE_STEP_MAX_REPEATS = 7
+"""Most whole steps timed while the fastest ones disagree: a host busy for that long (about
+3 s on the fast device of ``ci-2dev``, 7 s on the slow one) is the host the run will meet."""
+
+
+def agreeing(times: list[float], count: int = WHOLE_STEP_REPEATS) -> list[float] | None:
+    """The ``count`` fastest of ``times`` when they lie within :data:`WHOLE_STEP_AGREE` of
+    each other; None: too few, or they disagree (time another)."""
+    fastest = sorted(times)[:count]
+    if len(fastest) < count or fastest[-1] > fastest[0] * (1 + WHOLE_STEP_AGREE):
+        return None
+    return fastest
 
 
 @dataclass(frozen=True)
@@ -51,10 +74,12 @@ class WholeStep:
 
 def time_whole_step(shape: Shape, passes: int = 1, repeats: int = WHOLE_STEP_REPEATS) -> WholeStep:
     """A real training step of the whole model on this device (random weights, LoRA when
-    profiled with it): the median of ``repeats`` steps after :data:`WHOLE_STEP_WARMUP`
-    untimed ones. It is the training loop's own step
+    profiled with it): the median of the ``repeats`` fastest timed steps after
+    :data:`WHOLE_STEP_WARMUP` untimed ones. It is the training loop's own step
     (:class:`~xronos.train.trainer.Trainer`, default optimizer settings): a bare
-    forward + backward + AdamW ran 4-5 % faster than it on ``small``. With ``passes`` > 1
+    forward + backward + AdamW ran 4-5 % faster than it on ``small``. While the fastest
+    ``repeats`` timed steps disagree (:func:`agreeing`), it times another, up to
+    :data:`WHOLE_STEP_MAX_REPEATS`, and then takes the median of them all. With ``passes`` > 1
     (at most the batch's sequences) each round also times the step with its batch cut into
     that many micro-batches, right after the whole one."""
     cfg = shape.cfg
@@ -75,13 +100,17 @@ def time_whole_step(shape: Shape, passes: int = 1, repeats: int = WHOLE_STEP_REP
 
     for k in range(WHOLE_STEP_WARMUP):
         trainer.step(cut if passes > 1 and k == WHOLE_STEP_WARMUP - 1 else whole)
-    wholes, extra = [], []
-    for _ in range(repeats):
+    wholes: list[float] = []
+    extra: list[float] = []
+    counted = None
+    while counted is None and len(wholes) < max(repeats, WHOLE_STEP_MAX_REPEATS):
         wholes.append(timed(whole))
         if passes > 1:
             extra.append((timed(cut) - wholes[-1]) / (passes - 1))
+        if len(wholes) >= repeats:
+            counted = agreeing(wholes, repeats)
     per_pass = max(statistics.median(extra), 0.0) if extra else None
-    return WholeStep(statistics.median(wholes), per_pass)
+    return WholeStep(statistics.median(counted or wholes), per_pass)
 
 
 def split_to_whole(parts: SegmentTimes, per_pass_s: float, totals: dict[str, int]) -> SegmentTimes:
