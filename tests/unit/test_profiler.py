@@ -175,7 +175,7 @@ WARM = [50.0, 40.0, 30.0]  # the warm-up steps: slow (allocator, AdamW's moments
 
 def test_the_whole_step_is_the_median_of_its_timed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     # Three timed steps that agree within 10 %: their median, and no more steps are run.
-    assert len(WARM) == whole.WHOLE_STEP_WARMUP and whole.WHOLE_STEP_REPEATS == 3
+    assert len(WARM) == whole.SLOW_FIRST_STEPS and whole.WHOLE_STEP_REPEATS == 3
     left = _steps_taking(monkeypatch, [*WARM, 3.0, 3.2, 3.1, 99.0])
     got = whole.time_whole_step(SHAPE)
     assert got.seconds == pytest.approx(3.1) and got.per_pass_s is None  # a float clock

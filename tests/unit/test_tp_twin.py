@@ -11,14 +11,14 @@ from xronos.train import tp
 from xronos.train.optim import OptimConfig
 from xronos.train.session import Strategy
 from xronos.train.source import ModelSource
-from xronos.train.trainer import Trainer
+from xronos.train.trainer import SLOW_FIRST_STEPS, Trainer
 
 
 def test_the_twin_runs_its_warm_up_steps_before_the_timed_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A fresh shard's first steps run slow; timing them would put the isolated reference
-    # high and hide the stall. The twin takes TWIN_WARMUP untimed steps when it is built,
+    # high and hide the stall. The twin takes SLOW_FIRST_STEPS untimed steps when it is built,
     # then one timed step per replay, and the session's own trainer is not stepped.
     source = ModelSource.from_name("tiny")
     session = tp.TPSession(
@@ -35,8 +35,8 @@ def test_the_twin_runs_its_warm_up_steps_before_the_timed_one(
     ids = torch.randint(0, source.cfg.vocab_size, (2, 8))
     micro = [(ids, ids.clone())]
     assert session.isolated_compute(micro)  # the timed step's compute spans
-    assert tp.TWIN_WARMUP >= 3
-    assert len(steps) == tp.TWIN_WARMUP + 1
+    assert SLOW_FIRST_STEPS >= 3
+    assert len(steps) == SLOW_FIRST_STEPS + 1
     assert all(t is not session.trainer for t in steps)
     session.isolated_compute(micro)
-    assert len(steps) == tp.TWIN_WARMUP + 2  # a built twin is not warmed again
+    assert len(steps) == SLOW_FIRST_STEPS + 2  # a built twin is not warmed again

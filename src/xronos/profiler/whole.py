@@ -21,17 +21,7 @@ from xronos.parallel.shard import build_model
 from xronos.planner.plan import Plan
 from xronos.profiler.measure import SegmentTimes, Shape, run_times
 from xronos.train.optim import OptimConfig
-from xronos.train.trainer import Trainer
-
-WHOLE_STEP_WARMUP = 3
-"""Untimed steps before the whole step is timed (the last one cut, when it is timed cut).
-The first steps of a freshly built model run slower than the rest (the allocator still
-growing, AdamW's moments created): measured in the profiler on ``ci-2dev``, steps 1-6 took
-0.76, 0.74, 0.61, 0.60, 0.71, 0.67 s on the full-speed device and 2.64, 1.92, 1.34, 1.56,
-1.38, 1.38 s on the 0.4 one, so timing the second step put every prediction 10-40 % high.
-The third is still slow: after two warm-up steps, three profiles of ``ci-2dev`` in a row
-timed the fast device's first whole step at 0.462-0.466 s and the next two at
-0.396-0.406 s."""
+from xronos.train.trainer import SLOW_FIRST_STEPS, Trainer
 
 WHOLE_STEP_REPEATS = 3
 """Whole steps timed after the warm-up; the median of those that agree counts, as the
@@ -75,7 +65,8 @@ class WholeStep:
 def time_whole_step(shape: Shape, passes: int = 1, repeats: int = WHOLE_STEP_REPEATS) -> WholeStep:
     """A real training step of the whole model on this device (random weights, LoRA when
     profiled with it): the median of the ``repeats`` fastest timed steps after
-    :data:`WHOLE_STEP_WARMUP` untimed ones. It is the training loop's own step
+    :data:`~xronos.train.trainer.SLOW_FIRST_STEPS` untimed ones
+    (the last one cut, when it is timed cut). It is the training loop's own step
     (:class:`~xronos.train.trainer.Trainer`, default optimizer settings): a bare
     forward + backward + AdamW ran 4-5 % faster than it on ``small``. While the fastest
     ``repeats`` timed steps disagree (:func:`agreeing`), it times another, up to
@@ -98,8 +89,8 @@ def time_whole_step(shape: Shape, passes: int = 1, repeats: int = WHOLE_STEP_REP
 
         return run_times(step, 1)[0]
 
-    for k in range(WHOLE_STEP_WARMUP):
-        trainer.step(cut if passes > 1 and k == WHOLE_STEP_WARMUP - 1 else whole)
+    for k in range(SLOW_FIRST_STEPS):
+        trainer.step(cut if passes > 1 and k == SLOW_FIRST_STEPS - 1 else whole)
     wholes: list[float] = []
     extra: list[float] = []
     counted = None
@@ -107,8 +98,7 @@ def time_whole_step(shape: Shape, passes: int = 1, repeats: int = WHOLE_STEP_REP
         wholes.append(timed(whole))
         if passes > 1:
             extra.append((timed(cut) - wholes[-1]) / (passes - 1))
-        if len(wholes) >= repeats:
-            counted = agreeing(wholes, repeats)
+        counted = agreeing(wholes, repeats)
     per_pass = max(statistics.median(extra), 0.0) if extra else None
     return WholeStep(statistics.median(counted or wholes), per_pass)
 

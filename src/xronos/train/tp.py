@@ -26,16 +26,9 @@ from xronos.train.generate import evaluate
 from xronos.train.optim import OptimConfig
 from xronos.train.session import EvalResult, EvalSpec, StepResult, Strategy
 from xronos.train.source import ModelSource
-from xronos.train.trainer import Trainer
+from xronos.train.trainer import SLOW_FIRST_STEPS, Trainer
 
 MAX_EVENTS = 512  # collectives per step that a packed record can carry
-TWIN_WARMUP = 3
-"""Untimed steps of the isolated replay's twin before its first timed one. The twin is
-built fresh, and a fresh shard's first steps run slow (page faults, AdamW's moments): on
-``ci-2dev``'s 13 : 3 plan the full-speed shard's steps 1-8 took 0.553, 0.423, 0.321, 0.312,
-0.315, 0.318, 0.306, 0.303 s, so with one warm-up step the isolated reference (the mean of
-steps 2-4) read 12 % above the steady step and the stall ratio hid that much."""
-
 
 OVERLAPPED_COMPUTE = "compute.total"
 """Name of the one span that stands for an overlapped step's compute (:func:`compute_gaps`)."""
@@ -143,7 +136,7 @@ class TPSession:
             silent = self.group.silent()
             twin = self.source.build(self.plan, silent)
             self._twin = Trainer(twin, self.source.cfg, self.plan, silent, self.optim)
-            for _ in range(TWIN_WARMUP):
+            for _ in range(SLOW_FIRST_STEPS):  # a fresh shard's first steps run slow
                 self._twin.step(micro)
         rec = SpanRecorder(self.group.rank, enabled=True)
         rec.start_step(-1)

@@ -49,6 +49,16 @@ from xronos.train.shardgrads import ShardGrads
 
 T = TypeVar("T")
 
+SLOW_FIRST_STEPS = 3
+"""Steps a freshly built model runs slower than the rest (the allocator still growing,
+page faults, AdamW's moments created); a step that is timed to stand for a model's step
+comes after this many untimed ones. Measured on ``ci-2dev``: the profiler's whole model
+took 0.76, 0.74, 0.61, 0.60, 0.71, 0.67 s in steps 1-6 on the full-speed device and 2.64,
+1.92, 1.34, 1.56, 1.38, 1.38 s on the 0.4 one; after two untimed steps three profiles timed
+the fast device's next step at 0.462-0.466 s and the two after it at 0.396-0.406 s; the
+13 : 3 plan's full-speed shard took 0.553, 0.423, 0.321, 0.312, 0.315, 0.318, 0.306, 0.303 s
+in steps 1-8."""
+
 
 def run_lanes(first: Callable[[], T], second: Callable[[], T]) -> tuple[T, T]:
     """``first()`` on this thread and ``second()`` on another, at once; both results, or
