@@ -186,6 +186,11 @@ def test_summarize_uses_counted_steps_only() -> None:
     assert run.idle_ratio_max == pytest.approx(3 / 9, abs=TOL)
     assert run.idle_ratio_mean == pytest.approx(3 / 18, abs=TOL)
     assert run.to_dict()["per_device"][1]["name"] == "b"
+    # each device's figures are means over the same steps, so they add up to its own mean
+    # step (3 s), not to the run's median
+    dev = run.to_dict()["per_device"][0]
+    assert dev["step_time_s"] == pytest.approx(3.0, abs=TOL)
+    assert dev["compute_s"] + dev["transfer_s"] + dev["idle_s"] == pytest.approx(3.0, abs=TOL)
     with pytest.raises(UserError, match="warm-up of 4"):
         summarize([step(0, 1.0, 0.0)] * 4, skip_warmup=4)
 

@@ -74,6 +74,7 @@ class DeviceMetrics:
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
+            "step_time_s": self.step_time_s,
             "compute_s": self.compute_s,
             "transfer_s": self.transfer_s,
             "idle_s": self.idle_s,
@@ -116,7 +117,7 @@ class RunMetrics:
     step_time_s_all: tuple[float, ...]
     """Wall time of every counted step (warm-up excluded), in order."""
     per_device: tuple[DeviceMetrics, ...]
-    """Per-step mean of each device's compute / transfer / idle."""
+    """Per-step means of each device's own step and its compute / transfer / idle (its sum)."""
     idle_ratio_mean: float
     """Mean over devices of Σ idle / Σ own step time."""
     idle_ratio_max: float
