@@ -154,15 +154,20 @@ def test_the_points_of_a_line_are_timed_in_turn(monkeypatch: pytest.MonkeyPatch)
     assert order == ["a", "b"] * 3  # interleaved, not a's repeats then b's
 
 
-def _steps_taking(monkeypatch: pytest.MonkeyPatch, durations: list[float]) -> Iterator[float]:
-    """The training loop's real step runs; the clock advances by the next made-up duration."""
+def _steps_taking(
+    monkeypatch: pytest.MonkeyPatch, durations: list[float], seen: list[int] | None = None
+) -> Iterator[float]:
+    """The training loop's real step runs; the clock advances by the next made-up duration
+    (and ``seen`` gets each step's number of micro-batches)."""
     clock = FakeClock()
     monkeypatch.setattr(measure, "time", clock)  # run_times' clock
     left = iter(durations)
     real_step = whole.Trainer.step
 
-    def step(self: whole.Trainer, *args: object, **kwargs: object) -> object:
-        out = real_step(self, *args, **kwargs)  # type: ignore[arg-type]
+    def step(self: whole.Trainer, micro: list[object], *args: object) -> object:
+        out = real_step(self, micro, *args)  # type: ignore[arg-type]
+        if seen is not None:
+            seen.append(len(micro))
         clock.now += next(left)
         return out
 
@@ -211,19 +216,8 @@ def test_the_fastest_steps_agree_within_ten_percent() -> None:
 def test_a_cut_step_is_timed_right_after_each_whole_one(monkeypatch: pytest.MonkeyPatch) -> None:
     # Each cut step is paired with the whole step before it. SHAPE's batch of 2 sequences is
     # cut into 2 however many passes are asked: one extra pass, cut - whole.
-    clock = FakeClock()
-    monkeypatch.setattr(measure, "time", clock)  # run_times' clock
     seen: list[int] = []
-    durations = iter([50.0, 40.0, 30.0, 3.0, 3.3, 3.1, 3.3, 2.9, 3.5])
-    real_step = whole.Trainer.step
-
-    def step(self: whole.Trainer, micro: list[object], *args: object) -> object:
-        out = real_step(self, micro, *args)  # type: ignore[arg-type]
-        seen.append(len(micro))
-        clock.now += next(durations)
-        return out
-
-    monkeypatch.setattr(whole.Trainer, "step", step)
+    _steps_taking(monkeypatch, [*WARM, 3.0, 3.3, 3.1, 3.3, 2.9, 3.5], seen)
     got = whole.time_whole_step(SHAPE, passes=4)
     assert SHAPE.batch_size == 2
     assert seen == [1, 1, 2, 1, 2, 1, 2, 1, 2]  # warm-up: whole, whole, cut; then pairs
