@@ -3,6 +3,7 @@ where ``ip netns`` works (root with iproute2)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -197,6 +198,19 @@ def test_a_shaped_link_takes_each_message_its_time_on_the_wire(tmp_path: Path) -
         times = sorted(out.get(timeout=120))
         server.join(timeout=10)
         client.join(timeout=10)
+        stats = subprocess.run(
+            ["ip", "-j", "-s", "-n", a.netns or "", "link", "show", "eth0"],
+            capture_output=True,
+            text=True,
+        ).stdout
+    sent = json.loads(stats)[0]["stats64"]["tx"]
+    # a's uplink carried its 15 × 256 KiB and the acknowledgements of b's, and the veth
+    # counts the packets it is handed. Offloaded packets pass the bucket whole
+    # (xronos.emulation.netns.gso_cap: up to 54 KiB here; ~23 KiB on average measured, TCP
+    # sizing them by its window); cut by tbf into 1448-byte frames they were ~2,800, and
+    # every frame crossed the host's network path on its own, on the devices' CPUs.
+    assert sent["bytes"] >= SWAPS * SWAP_BYTES
+    assert sent["packets"] < SWAPS * SWAP_BYTES / 8192, stats
     # Each direction carries the payload in ~1448-byte segments, 1514 bytes a frame as tbf
     # counts them: ~274 KB, 2.19 ms at 1 Gbit/s. The bucket lets 62.5 KB of it pass at once
     # after the pause (0.5 ms of traffic), so the wire alone takes at least ~1.7 ms; a busy
