@@ -207,7 +207,7 @@ def test_a_shaped_link_takes_each_message_its_time_on_the_wire(tmp_path: Path) -
     # a's uplink carried its 15 × 256 KiB and the acknowledgements of b's, and the veth
     # counts the packets it is handed. Offloaded packets pass the bucket whole
     # (xronos.emulation.netns.gso_cap: up to 54 KiB here; ~23 KiB on average measured, TCP
-    # sizing them by its window); cut by tbf into 1448-byte frames they were ~2,800, and
+    # sizing them by its window); cut by tbf into 1448-byte frames they were 2,637, and
     # every frame crossed the host's network path on its own, on the devices' CPUs.
     assert sent["bytes"] >= SWAPS * SWAP_BYTES
     assert sent["packets"] < SWAPS * SWAP_BYTES / 8192, stats
