@@ -129,6 +129,9 @@ def test_bench_smoke(tmp_path: Path) -> None:
     ref = strategies["single"]["losses"]
     for name in ("auto", "xronos", "tp-even", "pp-gpipe", "pp-1f1b"):
         assert strategies[name]["losses"] == pytest.approx(ref, rel=LOSS_RTOL), name
+        # the bench's own check agrees, and says so in bench.json
+        assert strategies[name]["loss_matches_single"] is True, name
+        assert strategies[name]["loss_gap_vs_single"] <= LOSS_RTOL, name
     assert (out / "bench.png").stat().st_size > 0
     # the step boundary is timed like any collective, so an early finisher's wait counts
     spans = json.loads((out / "trace.json").read_text())["traceEvents"]

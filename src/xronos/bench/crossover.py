@@ -136,6 +136,7 @@ def link_entry(link: SweepLink, bench: Mapping[str, Any]) -> dict[str, Any]:
             "step_over_single": 1 / speedup if speedup else None,
             "step_over_single_interval": _over(entry.get("speedup_vs_single_interval")),
             "predicted_step_time_s": _num(entry.get("predicted_step_time_s")),
+            "loss_matches_single": entry.get("loss_matches_single"),
         }
     auto = strategies.get("auto", {})
     ran = (auto.get("auto") or {}).get("ran") or {}

@@ -25,6 +25,7 @@ from xronos.metrics import (
     efficiency,
     ideal_step_time,
     is_pipeline,
+    loss_agreement,
     stall_ratio,
     summarize,
     write_trace,
@@ -118,6 +119,7 @@ def build_report(
             single_steps, entry.get("step_time_s_all") or []
         )
     together_bound(result, cluster, solo, out.solo_together_step_time_s)
+    loss_agreement(result["strategies"])
     result.update(meta)
     return result
 

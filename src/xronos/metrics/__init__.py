@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from xronos.metrics.agreement import loss_agreement
 from xronos.metrics.analysis import (
     P2P_PREFIXES,
     DeviceMetrics,
@@ -60,6 +61,7 @@ __all__ = [
     "format_bench_table",
     "ideal_step_time",
     "is_pipeline",
+    "loss_agreement",
     "pack_records",
     "packed_size",
     "plot_bench",

@@ -15,6 +15,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from xronos.metrics.agreement import disagreement_note
+
 HEADERS = (
     "strategy",
     "x single",
@@ -51,12 +53,15 @@ def _peaks(values: Any) -> str:
 
 
 def notes(bench: Mapping[str, Any]) -> list[str]:
-    """Lines under the table: why a strategy could not run, how memory was measured."""
+    """Lines under the table: why a strategy could not run, which one's loss left
+    ``single``'s, how memory was measured."""
+    strategies = bench.get("strategies", {})
     out = [
         f"{name}: infeasible: {entry['infeasible']}"
-        for name, entry in bench.get("strategies", {}).items()
+        for name, entry in strategies.items()
         if entry.get("infeasible")
     ]
+    out += [n for n in (disagreement_note(k, e) for k, e in strategies.items()) if n]
     memory = bench.get("memory") or {}
     caps = memory.get("enforced_cap_mb") or memory.get("cap_mb")
     if isinstance(caps, list) and any(c is not None for c in caps):
