@@ -150,6 +150,20 @@ def test_markdown_table_has_a_row_per_link_and_autos_pick() -> None:
     assert len(lines) == 6
 
 
+def test_a_strategy_whose_loss_left_singles_is_marked() -> None:
+    benches = [
+        dict(b, strategies={k: dict(v) for k, v in b["strategies"].items()}) for b in BENCHES
+    ]
+    benches[1]["strategies"]["xronos"]["loss_matches_single"] = False
+    benches[1]["strategies"]["auto"]["loss_matches_single"] = True
+    doc = crossover.crossover(LINKS, benches, {})
+    assert doc["links"][1]["strategies"]["xronos"]["loss_matches_single"] is False
+    lines = crossover.format_table(doc).splitlines()
+    assert lines[3] == "| 1Gbit | 0.90 | 0.90† | 1.00 | xronos | 0.500 |"
+    assert lines[2] == "| loopback | 0.84 | 0.80 | 1.00 | xronos | 0.500 |"  # not compared: no mark
+    assert lines[-1].startswith("† its loss left single's")
+
+
 def test_outputs_are_written_and_a_stale_map_is_cleared(tmp_path: Path) -> None:
     doc = crossover.crossover(LINKS, BENCHES, {})
     crossover.write_outputs(tmp_path, doc)

@@ -176,23 +176,32 @@ def crossover(
 
 
 def format_table(doc: Mapping[str, Any]) -> str:
-    """The markdown table: one row per link, each strategy's step time ÷ single's, auto's
-    pick, and single's step time for scale."""
+    """The markdown table: one row per link, each strategy's step time ÷ single's (marked
+    ``†`` where its loss left single's: it trained another model), auto's pick, and
+    single's step time for scale; a line under the table explains the mark."""
     names: list[str] = list(doc.get("strategies", []))
     head = ["link", *names, "auto's pick", "single s/step"]
     out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * len(names) + "---|---:|"]
+    marked = False
     for entry in doc.get("links", []):
         rows = entry["strategies"]
         cells = [entry["link"]]
         for name in names:
-            ratio = (rows.get(name) or {}).get("step_over_single")
-            cells.append(f"{ratio:.2f}" if ratio is not None else "—")
+            row = rows.get(name) or {}
+            ratio = row.get("step_over_single")
+            mark = "†" if row.get("loss_matches_single") is False else ""
+            marked = marked or bool(mark)
+            cells.append(f"{ratio:.2f}{mark}" if ratio is not None else "—")
         pick = entry.get("auto_chosen") or "—"
         if entry.get("auto_ran") and entry.get("auto_ran") != entry.get("auto_chosen"):
             pick += f" (ran {entry['auto_ran']})"
         single = entry.get("single_step_time_s")
         cells += [pick, f"{single:.3f}" if single else "—"]
         out.append("| " + " | ".join(cells) + " |")
+    if marked:
+        out.append(
+            "\n† its loss left single's (bench.json: loss_gap_vs_single): not the same training"
+        )
     return "\n".join(out) + "\n"
 
 
