@@ -198,10 +198,11 @@ def format_table(doc: Mapping[str, Any]) -> str:
         single = entry.get("single_step_time_s")
         cells += [pick, f"{single:.3f}" if single else "—"]
         out.append("| " + " | ".join(cells) + " |")
-    if marked:
-        out.append(
-            "\n† its loss left single's (bench.json: loss_gap_vs_single): not the same training"
-        )
+    if marked:  # a blank line, then the footnote under the table
+        out += [
+            "",
+            "† its loss left single's (bench.json: loss_gap_vs_single): not the same training",
+        ]
     return "\n".join(out) + "\n"
 
 
