@@ -14,7 +14,7 @@ from xronos.metrics.recorder import SpanRecorder, use_recorder
 from xronos.metrics.records import COLLECTIVE, Span, StepRecord
 from xronos.parallel.shard import build_model
 from xronos.planner import plan_tp
-from xronos.planner.calibrate import Round, fit, probe_plan, segment_times, settled
+from xronos.planner.calibrate import Round, fit, pooled, probe_plan, segment_times, settled
 from xronos.planner.plan import SEGMENTS, Plan, parse_segment_kind, segment_kind
 from xronos.planner.profile import CostCurve, DeviceProfile
 from xronos.planner.solve import DEFAULT_REPLICATED_SHARE
@@ -191,3 +191,45 @@ def test_a_round_reports_the_units_it_ran_and_what_each_device_measured() -> Non
     assert d["units"] == {s: list(plan.split(s)) for s in SEGMENTS}
     assert d["measured_s"] == measured
     assert d["weight"] == 2.0
+
+
+def _rounds_at(profiles: list[DeviceProfile], plan: Plan, factors: list[float]) -> list[Round]:
+    """Rounds of one plan, weighted 1, 2, …, in which every device measured its profiled
+    cost times that round's factor."""
+    return [
+        Round(
+            plan,
+            [_true_times(p, dict.fromkeys(SEGMENTS, k), plan, i) for i, p in enumerate(profiles)],
+            w,
+        )
+        for w, k in enumerate(factors, start=1)
+    ]
+
+
+def test_one_stray_round_is_left_out_of_the_pool() -> None:
+    profiles = [_profile("a", 1.0), _profile("b", 0.4)]
+    plan = plan_tp(CFG, profiles)
+    # The last (heaviest) of four rounds ran a third slow: a hiccup of the host.
+    fitted = fit(profiles, _rounds_at(profiles, plan, [1.0, 1.02, 0.98, 1.33]))
+    # (1·1.0 + 2·1.02 + 3·0.98) / 6 of the profiled cost: the stray round weighs nothing
+    want = (1.0 + 2 * 1.02 + 3 * 0.98) / 6
+    for f, p in zip(fitted, profiles, strict=True):
+        for s in SEGMENTS:
+            assert f.segments[s].b == pytest.approx(want * p.segments[s].b)
+    # (pooled with it, the same rounds would have said (… + 4·1.33) / 10 = 1.13: 13 % off)
+
+
+def test_rounds_within_the_hosts_noise_are_all_pooled() -> None:
+    profiles = [_profile("a", 1.0), _profile("b", 0.4)]
+    plan = plan_tp(CFG, profiles)
+    # a host that drifts by 12 % over three rounds strays from no median by more than 15 %
+    fitted = fit(profiles, _rounds_at(profiles, plan, [1.0, 1.06, 1.12]))
+    want = (1.0 + 2 * 1.06 + 3 * 1.12) / 6
+    assert fitted[1].segments["mlp"].b == pytest.approx(want * profiles[1].segments["mlp"].b)
+
+
+def test_two_rounds_are_pooled_however_far_apart() -> None:
+    # with two rounds neither can be told to be the stray one
+    assert pooled([1.0, 2.0], [1.0, 1.0]) == [0, 1]
+    assert pooled([1.0, 1.0, 1.6], [1.0, 1.0, 1.0]) == [0, 1]
+    assert pooled([1.0, 0.0, 1.6], [1.0, 1.0, 1.0]) == [0, 1, 2]  # one round measured nothing
