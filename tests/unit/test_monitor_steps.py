@@ -52,3 +52,27 @@ def test_a_release_is_logged_and_summed_up(tmp_path: Path) -> None:
     assert "slow no longer paid for its part" in out.getvalue()
     summary = monitor.finish(25)
     assert "| release at step 24 | slow no longer paid for its part" in summary
+
+
+def test_a_move_back_is_logged_with_what_was_measured(tmp_path: Path) -> None:
+    from xronos.config import ModelConfig
+    from xronos.planner.plan import Plan
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=8, num_kv_heads=4)  # fmt: skip
+    moved = Plan.from_dict({**Plan.even(cfg, ("fast", "slow")).to_dict(), "attn": [3, 1]})
+    first = Plan.even(cfg, ("fast", "slow"))
+    out = io.StringIO()
+    monitor = RunMonitor(tmp_path, 100, lambda generated: None, out=out)
+    undo = {"kind": "rebalance", "step": 24, "seconds": 0.8, "before": moved.to_dict(),
+            "steps_left": 76, "plan": first.to_dict(), "relative": [], "now_s": 0.318,
+            "then_s": 0.300, "why": "undo", "keep": []}  # fmt: skip
+    monitor.on_event(0, undo)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (row,) = [r for r in rows if r.get("event") == "replan_undone"]
+    assert row["before"]["attn"] == [3, 1] and row["after"]["attn"] == list(first.split("attn"))
+    assert "slower (0.318 s a step against 0.300 before it); moved back" in out.getvalue()
+    assert "measured 0.318 → 0.300 s/step" in out.getvalue()
+    assert json.loads((tmp_path / "plan.json").read_text())["attn"] == list(first.split("attn"))
+    summary = monitor.finish(25)
+    assert "| replan undone at step 24 | the steps after the last move were slower" in summary

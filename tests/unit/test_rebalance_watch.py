@@ -10,7 +10,16 @@ from xronos.planner import plan_tp
 from xronos.planner.calibrate import Round, fit, typical
 from xronos.planner.plan import SEGMENTS, Plan
 from xronos.planner.solve import predict
-from xronos.run.rebalance import BALANCE_GAIN, COOLDOWN, WARMUP, WINDOW, SpeedWatch, propose
+from xronos.run.rebalance import (
+    BALANCE_GAIN,
+    COOLDOWN,
+    UNDO_MARGIN,
+    WARMUP,
+    WINDOW,
+    SpeedWatch,
+    Undo,
+    propose,
+)
 
 CFG = ModelConfig(
     vocab_size=96,
@@ -179,3 +188,19 @@ def test_typical_round_is_the_median_per_device_and_segment() -> None:
         *rounds,
         Round(other, _times(1.0, 1.0)),
     ]
+
+
+def test_a_balance_move_whose_steps_came_out_slower_is_undone_once_it_pays() -> None:
+    before = plan_tp(FINE, PROFILES, mlp_chunk=CHUNKS[0], vocab_chunk=CHUNKS[1])
+    undo = Undo(before, step_s=0.300)
+    # the eight steps after the move: 6 % slower than the eight before it
+    back = undo.due([0.318] * WINDOW, steps_left=1000, move_s=2.0)
+    assert back is not None and back.why == "undo" and back.plan == before
+    assert (back.now_s, back.then_s) == (0.318, 0.300)  # measured after, before
+    # the median, not the mean: one stretched step of eight is not a slower plan
+    assert undo.due([0.300] * (WINDOW - 1) + [0.600], steps_left=1000, move_s=2.0) is None
+    # within what eight-step medians of one plan stray by: kept
+    slower = 0.300 * (1 + UNDO_MARGIN) * 0.999
+    assert undo.due([slower] * WINDOW, steps_left=1000, move_s=2.0) is None
+    # 18 ms a step over 100 steps saves 1.8 s: less than twice a 2 s move
+    assert undo.due([0.318] * WINDOW, steps_left=100, move_s=2.0) is None

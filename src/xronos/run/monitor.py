@@ -200,6 +200,12 @@ class RunMonitor:
                 f"part: {ev['now_s']:.3f} s a step measured, {ev['then_s']:.3f} predicted on "
                 f"{', '.join(self.plan.devices)}; released"
             )
+        elif ev.get("why") == "undo":
+            kind = "replan_undone"
+            reason = headline = (
+                f"the steps after the last move were slower ({ev['now_s']:.3f} s a step against "
+                f"{ev['then_s']:.3f} before it); moved back"
+            )
         elif ev.get("why") == "balance":
             reason = f"the first steps were out of balance: compute against the busiest {speeds}"
             headline = (
@@ -221,7 +227,7 @@ class RunMonitor:
         )
         self.say(
             f"step {ev['step']}: {headline}; moved to a new plan in {ev['seconds']:.1f} s, "
-            f"{'measured' if kind == 'release' else 'predicted'} {ev['now_s']:.3f} → "
+            f"{'measured' if kind != 'replan' else 'predicted'} {ev['now_s']:.3f} → "
             f"{ev['then_s']:.3f} s/step:\n{self.plan.table()}"
         )
         atomic_write_text(self.run_dir / "plan.json", self.plan.to_json())
@@ -361,6 +367,8 @@ def _event_text(e: dict[str, Any]) -> str:
             f"{e['reason']}; moved in {e['move_s']:.1f} s, predicted to save "
             f"{e['predicted_gain_s']:.0f} s"
         )
+    if e["event"] == "replan_undone":
+        return f"{e['reason']} in {e['move_s']:.1f} s"
     if e["event"] == "replan_held":
         return f"a better plan was found, but {e['reason']}; kept the plan"
     if e["event"] == "io_threads_restored":

@@ -26,6 +26,11 @@ exact planner plans again, and the move goes ahead only when the predicted savin
 step, over the steps left, exceeds twice what a move costs (measured at the last move;
 before any, :data:`FIRST_MOVE_STEPS` steps).
 
+**Judged by its steps.** A balance move rests on a prediction from eight steps; where the
+eight after it (past their warm-up) step slower than the eight before by more than
+:data:`UNDO_MARGIN`, the run moves back to the plan before, if that pays for itself, and
+stays there (a change of a device's speed may still move it).
+
 **The move** (:mod:`xronos.run.moves`) checkpoints the training state in memory and
 loads it under the new plan on the same ranks; where even that would pass a device's
 memory cap (:func:`~xronos.run.moves.move_peaks`), the run keeps its plan and says so (a
@@ -70,6 +75,11 @@ BALANCE_GAIN = 0.05
 plan whose devices' speeds did not change: the first plan's own calibration varies by a
 few per cent from run to run (one unit more or less on the slow device), and chasing that
 would cost more than it saves."""
+UNDO_MARGIN = 0.03
+"""How much slower than before a balance move (the median of a window of steps after its
+warm-up, against that of the window that called for it) a run may step before it moves
+back: eight-step medians of one plan on a shared host stray 1–3 % from one window to the
+next."""
 FIRST_MOVE_STEPS = 5.0
 """A move's cost in step times, before one has been measured (``small`` on ``ci-2dev``:
 2.2 s at 0.5 s a step, about 4)."""
@@ -137,6 +147,24 @@ def _medians(rows: deque[list[float]]) -> list[float]:
 
 
 @dataclass(frozen=True)
+class Undo:
+    """What a balance move left behind, to move back to if the steps after it are slower:
+    the plan before it and that plan's median step (wall time, the slowest rank's)."""
+
+    plan: Plan
+    step_s: float
+
+    def due(self, durations: Sequence[float], steps_left: int, move_s: float) -> Proposal | None:
+        """The move back, when the steps since the move (``durations``) are slower than
+        those before it by more than :data:`UNDO_MARGIN` and moving back pays for itself."""
+        now = statistics.median(durations)
+        slower = now > self.step_s * (1.0 + UNDO_MARGIN)
+        if not slower or (now - self.step_s) * steps_left <= 2.0 * move_s:
+            return None
+        return Proposal(self.plan, [], now, self.step_s, "undo")
+
+
+@dataclass(frozen=True)
 class Proposal:
     """A new plan, why, and what it should save."""
 
@@ -150,7 +178,9 @@ class Proposal:
     """``change``: a device's speed changed against the others' (``relative``: its factor
     against theirs); ``balance``: the first plan was out of balance from its start
     (``relative``: each device's compute over the busiest's); ``release``: fewer devices
-    are predicted faster than the steps measured (``now_s``: that measured step)."""
+    are predicted faster than the steps measured (``now_s``: that measured step);
+    ``undo``: back to the plan before a balance move, whose steps came out slower
+    (``now_s``, ``then_s``: the median step measured after and before it)."""
     keep: tuple[int, ...] = ()
     """For ``release``: the devices kept (ranks of the run's group); empty: all."""
 
@@ -251,6 +281,8 @@ class Rebalancer:
         self.durations: deque[float] = deque(maxlen=WINDOW)
         """The last steps' wall time (the slowest rank's), after the plan's warm-up."""
         self.move_s: float | None = None
+        self.undo: Undo | None = None
+        """After a balance move, until the steps after it are judged: the plan before."""
         # rank 0's pid names the moves' checkpoints (the coordinator's relay serves them)
         pid = int(session.group.gather_object(os.getpid())[0])
         self.prefix = move_prefix(pid, on_disk=capped(profiles))
@@ -271,6 +303,8 @@ class Rebalancer:
             cost = FIRST_MOVE_STEPS * max(r.duration for r in records)
         cfg, left = session.source.cfg, self.steps - step
         mine = propose(self.watch, self.profiles, session.plan, cfg, self.chunks, left, cost)
+        if self.undo is not None and len(self.durations) == WINDOW:  # judged once
+            mine, self.undo = self.undo.due(self.durations, left, cost) or mine, None
         if self.release and session.group.rank == 0 and len(self.durations) == WINDOW:
             mine = self._release(cfg, left, cost, mine) or mine
         where = Path(self.prefix).parent
@@ -296,6 +330,8 @@ class Rebalancer:
             self.profiles = [self.profiles[i] for i in chosen.keep]
         else:
             fresh, self.move_s = move(session, chosen.plan, self.prefix)
+        if chosen.why == "balance" and self.durations:
+            self.undo = Undo(session.plan, statistics.median(self.durations))
         self.watch.restart()
         self.durations.clear()
         if session.group.rank == 0:
