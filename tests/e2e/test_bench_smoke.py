@@ -122,6 +122,9 @@ def test_bench_smoke(tmp_path: Path) -> None:
             assert sum(rnd["units"][seg]) == sum(plan[seg]), seg
         assert len(rnd["measured_s"]) == 2
         assert all(m["mlp"] > 0 for m in rnd["measured_s"])
+        # a stray round is named per segment, by the ranks whose fit left it out
+        assert set(rnd["left_out"]) <= {"attn", "mlp", "vocab"}
+        assert all(set(ranks) <= {0, 1} for ranks in rnd["left_out"].values())
     assert strategies["single"]["speedup_vs_single"] == pytest.approx(1.0)
     # single against its own rounds: every resample's ratio is one
     assert strategies["single"]["speedup_vs_single_interval"] == pytest.approx([1.0, 1.0])

@@ -14,7 +14,15 @@ from xronos.metrics.recorder import SpanRecorder, use_recorder
 from xronos.metrics.records import COLLECTIVE, Span, StepRecord
 from xronos.parallel.shard import build_model
 from xronos.planner import plan_tp
-from xronos.planner.calibrate import Round, fit, pooled, probe_plan, segment_times, settled
+from xronos.planner.calibrate import (
+    Round,
+    fit,
+    left_out,
+    pooled,
+    probe_plan,
+    segment_times,
+    settled,
+)
 from xronos.planner.plan import SEGMENTS, Plan, parse_segment_kind, segment_kind
 from xronos.planner.profile import CostCurve, DeviceProfile
 from xronos.planner.solve import DEFAULT_REPLICATED_SHARE
@@ -233,3 +241,15 @@ def test_two_rounds_are_pooled_however_far_apart() -> None:
     assert pooled([1.0, 2.0], [1.0, 1.0]) == [0, 1]
     assert pooled([1.0, 1.0, 1.6], [1.0, 1.0, 1.0]) == [0, 1]
     assert pooled([1.0, 0.0, 1.6], [1.0, 1.0, 1.0]) == [0, 1, 2]  # one round measured nothing
+
+
+def test_the_round_left_out_is_reported_for_its_device_and_segment() -> None:
+    profiles = [_profile("a", 1.0), _profile("b", 0.4)]
+    plan = plan_tp(CFG, profiles)
+    rounds = _rounds_at(profiles, plan, [1.0, 1.0, 1.0])
+    # device b's MLP ran 30 % slow in the second round, nothing else did
+    stretched = dict(rounds[1].measured[1], mlp=1.3 * rounds[1].measured[1]["mlp"])
+    rounds[1] = Round(plan, [rounds[1].measured[0], stretched], rounds[1].weight)
+    assert left_out(profiles, rounds) == [{}, {"mlp": [1]}, {}]
+    fitted = fit(profiles, rounds)
+    assert fitted[1].segments["mlp"].b == pytest.approx(profiles[1].segments["mlp"].b)

@@ -109,6 +109,30 @@ class Round:
         }
 
 
+def _pool(
+    p: DeviceProfile, i: int, held: Sequence[Round], segs: Sequence[str]
+) -> tuple[float | None, list[int]]:
+    """Device ``i``'s factor for ``segs`` over the rounds ``held`` (measured over what
+    profile ``p`` predicted, pooled by weight; None where nothing was measured), and which
+    of those rounds (indices into ``held``) the pool left out (:func:`pooled`)."""
+    share = DEFAULT_REPLICATED_SHARE
+
+    def predicted(seg: str, plan: Plan) -> float:
+        return p.replicated_before(seg, share) + p.segments[seg](plan.split(seg)[i])
+
+    m = [sum(r.measured[i][s] for s in segs) for r in held]
+    pr = [sum(predicted(s, r.plan) for s in segs) for r in held]
+    kept = pooled(m, pr)
+    mw = sum(held[j].weight * m[j] for j in kept)
+    pw = sum(held[j].weight * pr[j] for j in kept)
+    return (mw / pw if mw > 0 and pw > 0 else None), sorted(set(range(len(held))) - set(kept))
+
+
+def _holding(rounds: Sequence[Round], seg: str, i: int) -> list[int]:
+    """The rounds (indices) in which device ``i`` held units of ``seg``."""
+    return [j for j, r in enumerate(rounds) if r.plan.split(seg)[i] > 0]
+
+
 def fit(profiles: Sequence[DeviceProfile], rounds: Sequence[Round]) -> list[DeviceProfile]:
     """``profiles`` (as profiled) rescaled, per device and segment, to predict the pooled
     measurements of ``rounds``. A segment a device never held units of gets the factor of
@@ -117,21 +141,10 @@ def fit(profiles: Sequence[DeviceProfile], rounds: Sequence[Round]) -> list[Devi
     total_w = sum(r.weight for r in rounds)
     out = []
     for i, p in enumerate(profiles):
-
-        def predicted(seg: str, plan: Plan, p: DeviceProfile = p, i: int = i) -> float:
-            return p.replicated_before(seg, share) + p.segments[seg](plan.split(seg)[i])
-
-        def ratio(held: Sequence[Round], segs: Sequence[str], i: int = i) -> float | None:
-            m = [sum(r.measured[i][s] for s in segs) for r in held]
-            pr = [sum(predicted(s, r.plan) for s in segs) for r in held]
-            kept = pooled(m, pr)
-            mw = sum(held[j].weight * m[j] for j in kept)
-            pw = sum(held[j].weight * pr[j] for j in kept)
-            return mw / pw if mw > 0 and pw > 0 else None
-
-        whole = ratio(rounds, SEGMENTS) or 1.0
+        whole = _pool(p, i, rounds, SEGMENTS)[0] or 1.0
         k = {
-            s: ratio([r for r in rounds if r.plan.split(s)[i] > 0], [s]) or whole for s in SEGMENTS
+            s: _pool(p, i, [rounds[j] for j in _holding(rounds, s, i)], [s])[0] or whole
+            for s in SEGMENTS
         }
         split = {s: k[s] * p.replicated_before(s, share) for s in SEGMENTS}
         tail = sum(r.weight * r.measured[i]["other"] for r in rounds) / total_w
@@ -143,6 +156,20 @@ def fit(profiles: Sequence[DeviceProfile], rounds: Sequence[Round]) -> list[Devi
                 replicated_split=split,
             )
         )
+    return out
+
+
+def left_out(
+    profiles: Sequence[DeviceProfile], rounds: Sequence[Round]
+) -> list[dict[str, list[int]]]:
+    """Per round: the segments whose pooled factor in :func:`fit` left that round out, and
+    for which devices (rank order)."""
+    out: list[dict[str, list[int]]] = [{} for _ in rounds]
+    for i, p in enumerate(profiles):
+        for s in SEGMENTS:
+            held = _holding(rounds, s, i)
+            for j in _pool(p, i, [rounds[h] for h in held], [s])[1]:
+                out[held[j]].setdefault(s, []).append(i)
     return out
 
 

@@ -17,6 +17,7 @@ from xronos.errors import UserError
 from xronos.pipeline.session import HybridStages, PipelineSession
 from xronos.planner import PipelinePlan, plan_tp
 from xronos.planner.auto import AutoChoice, Candidate
+from xronos.planner.calibrate import left_out
 from xronos.planner.hybrid import HybridPlan
 from xronos.planner.plan import Plan
 from xronos.planner.profile import DeviceProfile
@@ -104,7 +105,8 @@ def calibrated_tp(
     plan, calibrated, model, rounds = plan_with_calibration(
         lambda p: spec.source.build(p, group), plan_of, profiles, group, first[:1]
     )
-    rounds_made = [r.to_dict() for r in rounds]
+    strays = left_out(profiles, rounds)
+    rounds_made = [r.to_dict() | {"left_out": o} for r, o in zip(rounds, strays, strict=True)]
     session = TPSession(
         spec.source, plan, group, spec.optim, Strategy.XRONOS, model=model, calibration=rounds_made
     )
