@@ -178,15 +178,16 @@ def pooled(measured: Sequence[float], predicted: Sequence[float]) -> list[int]:
     all of them, less the one whose measured-over-predicted ratio strays farthest from
     the median ratio where it strays by more than :data:`OUTLIER` and at least three rounds
     hold the segment."""
-    q = [m / p if m > 0 and p > 0 else None for m, p in zip(measured, predicted, strict=True)]
-    usable = [j for j, x in enumerate(q) if x is not None]
-    if len(usable) < 3:
-        return list(range(len(q)))
-    mid = statistics.median(q[j] or 0.0 for j in usable)
-    worst = max(usable, key=lambda j: abs((q[j] or 0.0) / mid - 1.0))
-    if abs((q[worst] or 0.0) / mid - 1.0) <= OUTLIER:
-        return list(range(len(q)))
-    return [j for j in range(len(q)) if j != worst]
+    every = list(range(len(measured)))
+    pairs = zip(measured, predicted, strict=True)
+    q = {j: m / p for j, (m, p) in enumerate(pairs) if m > 0 and p > 0}
+    if len(q) < 3:
+        return every
+    mid = statistics.median(q.values())
+    worst = max(q, key=lambda j: abs(q[j] / mid - 1.0))
+    if abs(q[worst] / mid - 1.0) <= OUTLIER:
+        return every
+    return [j for j in every if j != worst]
 
 
 def typical(rounds: Sequence[Round]) -> list[Round]:
