@@ -89,9 +89,10 @@ class RunConfig:
     plan: str | None = None
     """Reuse a plan.json instead of profiling and planning."""
     comm_dtype: str = "bf16"
-    """Dtype of the tensor-parallel activation all-reduces on the wire: bf16 (half the
-    bytes; each device's partial sum rounded to bf16 before adding; the default, as it
-    wins on every link measured) or fp32 (exact: the same losses as one device)."""
+    """Dtype activations and their gradients travel in (the tensor-parallel all-reduces, a
+    pipeline's messages): bf16 (half the bytes; each device's partial sum rounded to bf16
+    before adding; the default, as it wins on every link measured) or fp32 (exact: the
+    same losses as one device)."""
     overlap: bool = False
     """Tensor parallelism runs each batch as two halves at once, one computing while the
     other's all-reduce is in flight (needs a batch of 2 or more)."""

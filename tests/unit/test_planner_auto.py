@@ -20,7 +20,7 @@ from xronos.planner.auto import AutoChoice, Candidate, plan_auto
 from xronos.planner.comm import LinkModel, tp_traffic
 from xronos.planner.hybrid import HybridPlan, tp_stage
 from xronos.planner.pipeline import PipelinePlan
-from xronos.planner.profile import CostCurve, DeviceProfile, save_profiles
+from xronos.planner.profile import CostCurve, DeviceProfile, on_the_wire, save_profiles
 
 PER_UNIT = {"attn": 0.02, "mlp": 0.004, "vocab": 0.001}
 B, S = 8, 128
@@ -215,6 +215,48 @@ def test_xronos_plan_auto_prints_the_table_and_writes_the_plan(
     assert Plan.from_json(out.read_text()).devices == ("nuc",)
     every = json.loads((tmp_path / "plan.candidates.json").read_text())
     assert every["candidates"][every["chosen"]]["strategy"] == "single"
+
+
+def test_bf16_payloads_halve_what_the_pipeline_sends() -> None:
+    """Priced on the wire in bf16 (``--comm-dtype bf16``, as the runner sends them), a
+    pipeline's messages carry half the bytes: on a slow link its step is shorter by half
+    its transfer, while the device alone is unchanged."""
+    cfg = small()
+    ps = [profile(cfg, "fast", 1.0, 10 * MBIT), profile(cfg, "slow", 0.4, 10 * MBIT)]
+    fp32, bf16 = auto(cfg, ps), auto(cfg, on_the_wire(ps, 2))
+    assert of(bf16, "single")[0].predicted_step_s == of(fp32, "single")[0].predicted_step_s
+    wide, narrow = of(fp32, "pp-1f1b")[0], of(bf16, "pp-1f1b")[0]
+    assert isinstance(wide.plan, PipelinePlan) and isinstance(narrow.plan, PipelinePlan)
+    assert narrow.predicted_step_s < wide.predicted_step_s
+    # the same plan priced both ways: every stage's send costs half the bytes' time
+    from xronos.pipeline.costs import stage_costs
+
+    m = wide.plan.num_microbatches
+    sends = [c.send_s for c in stage_costs(ps, cfg, m)]
+    halves = [c.send_s for c in stage_costs(on_the_wire(ps, 2), cfg, m)]
+    lat = 2 * 2 * 1e-4  # there and back, each over two links' latency
+    assert sends[0] > 0 and halves[0] - lat == pytest.approx((sends[0] - lat) / 2)
+
+
+def test_xronos_plan_prices_the_comm_dtype(tmp_path: Path) -> None:
+    """``xronos plan --comm-dtype`` prices the activations as ``xronos finetune`` would send
+    them: fp32 doubles every collaboration's bytes, so each predicts a longer step."""
+    cfg = small()
+    ps = [profile(cfg, "nuc", 1.0, 10 * MBIT), profile(cfg, "pi", 0.4, 10 * MBIT)]
+    prof = tmp_path / "profile.json"
+    save_profiles(str(prof), ps, {"model": "small", "batch_size": B, "seq_len": S})
+    steps = {}
+    for dtype in ("bf16", "fp32"):
+        out = tmp_path / f"{dtype}.json"
+        argv = ["plan", "--profile", str(prof), "--strategy", "auto", "--out", str(out)]
+        assert main([*argv, "--comm-dtype", dtype]) == 0
+        every = json.loads((tmp_path / f"{dtype}.candidates.json").read_text())["candidates"]
+        steps[dtype] = {(c["strategy"], tuple(c["devices"])): c["predicted_step_s"] for c in every}
+    for key, fp32 in steps["fp32"].items():
+        if key[0] == "single":
+            assert steps["bf16"][key] == fp32
+        elif key[0] in ("xronos", "pp-1f1b"):
+            assert steps["bf16"][key] < fp32, key
 
 
 def test_a_tp_stage_pays_its_collectives_latency_per_micro_batch() -> None:

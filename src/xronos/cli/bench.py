@@ -66,8 +66,8 @@ def register(sub: Any) -> None:
         "--comm-dtype",
         default="bf16",
         choices=("fp32", "bf16"),
-        help="dtype of the tensor-parallel activation all-reduces (default: %(default)s; "
-        "fp32 is exact)",
+        help="dtype activations travel in: TP's all-reduces, a pipeline's messages "
+        "(default: %(default)s; fp32 is exact)",
     )
     p.add_argument(
         "--overlap",

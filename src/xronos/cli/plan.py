@@ -12,7 +12,8 @@ from xronos.config import ModelConfig
 from xronos.errors import UserError
 from xronos.planner import plan_even, plan_pipeline, plan_tp, predict
 from xronos.planner.auto import plan_auto
-from xronos.planner.profile import DeviceProfile, load_profiles
+from xronos.planner.profile import DeviceProfile, load_profiles, on_the_wire
+from xronos.run.opening import wire_bytes
 from xronos.train.source import ModelSource
 from xronos.utils import atomic_write_text
 
@@ -35,12 +36,20 @@ def register(sub: Any) -> None:
         help="accumulation batches per optimizer step (auto: pipelines cut them into "
         "micro-batches)",
     )
+    p.add_argument(
+        "--comm-dtype",
+        default="bf16",
+        choices=("fp32", "bf16"),
+        help="dtype activations travel in (TP's all-reduces, a pipeline's messages), as "
+        "`xronos finetune --comm-dtype` (default: %(default)s; fp32 is exact)",
+    )
     p.add_argument("--out", help="write the plan as JSON here")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    profiles, meta = load_profiles(args.profile)
+    measured, meta = load_profiles(args.profile)
+    profiles = on_the_wire(measured, wire_bytes(args.comm_dtype))
     model = args.model or meta.get("model")
     if not model:
         raise UserError(f"{args.profile} does not name its model; pass --model")

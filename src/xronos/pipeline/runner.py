@@ -11,8 +11,9 @@ norm, the LM head and the loss (DESIGN §4)::
 One :meth:`PipelineRunner.step` = the step's batches cut into ``num_microbatches``
 micro-batches (:func:`~xronos.pipeline.schedule.split_microbatches`), the stage's schedule
 (GPipe or 1F1B, :mod:`xronos.pipeline.schedule`) with non-blocking ``isend``/``irecv`` of
-activations and their gradients, then one all-reduce of ``[Σ grad², loss]`` across stages
-for global-norm clipping and the loss, then AdamW on the stage's parameters.
+activations and their gradients (in the group's payload dtype, ``--comm-dtype``), then one
+all-reduce of ``[Σ grad², loss]`` across stages for global-norm clipping and the loss, then
+AdamW on the stage's parameters.
 
 **A hybrid** (``stage_groups``, :mod:`xronos.pipeline.layout`): one stage runs on several
 ranks as heterogeneous TP under ``tp_plan`` — its layers (and embedding or head) sharded,
@@ -116,6 +117,9 @@ class PipelineRunner:
             )
         self.cfg, self.pplan, self.group, self.opt_cfg = cfg, pplan, group, opt
         self.source, self.timeout_s, self.layout = source, timeout_s, layout
+        # activations and their gradients cross stages in the group's payload dtype
+        # (``--comm-dtype``, as TP's seams); the tied matrix's rows and gradients stay exact
+        self.wire = group.payload or ACT_DTYPE
         self.stage, self.num_stages = layout.stage_of(group.rank), len(layout.groups)
         self.member = layout.member(group.rank)  # within the stage; 0: its leader
         self.leader = self.member == 0
@@ -210,7 +214,7 @@ class PipelineRunner:
                 if self.last:
                     total += float(out.detach())
                 elif self.leader:
-                    self._send_on(p2p, "act", i, j + 1, out.detach().to(ACT_DTYPE), act_tag(i))
+                    self._send_on(p2p, "act", i, j + 1, out.detach().to(self.wire), act_tag(i))
             else:
                 g = None if self.last else p2p.wait_recv(self._msg("grad", i, j + 1, j, me))
                 inputs[i][1] = g
@@ -218,7 +222,7 @@ class PipelineRunner:
                 self._backward(i, out, g, denom, rec)
                 if x_in is not None and self.leader:
                     dx = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
-                    self._send_on(p2p, "grad", i, j - 1, dx.to(ACT_DTYPE), grad_tag(i))
+                    self._send_on(p2p, "grad", i, j - 1, dx.to(self.wire), grad_tag(i))
         self._inputs = [(x, g) for x, g in inputs]
         return total if self.leader else 0.0  # a TP stage's members share one loss
 
@@ -239,10 +243,10 @@ class PipelineRunner:
         for i, (ids, _) in enumerate(mbs):
             shape = (*ids.shape, h)  # (B_i, S, H)
             if not self.first:
-                buf = torch.empty(shape, dtype=ACT_DTYPE)
+                buf = torch.empty(shape, dtype=self.wire)
                 p2p.post_recv(self._msg("act", i, j - 1, j, me), groups[j - 1][0], buf, act_tag(i))
             if not self.last:
-                buf = torch.empty(shape, dtype=ACT_DTYPE)
+                buf = torch.empty(shape, dtype=self.wire)
                 p2p.post_recv(
                     self._msg("grad", i, j + 1, j, me), groups[j + 1][0], buf, grad_tag(i)
                 )
@@ -260,7 +264,7 @@ class PipelineRunner:
             raise ValueError(
                 f"micro-batch {i}: activations {list(x.shape)} for ids {list(ids.shape)}"
             )
-        x_in = x.detach().requires_grad_() if x is not None else None
+        x_in = x.detach().to(ACT_DTYPE).requires_grad_() if x is not None else None
         with rec.compute(f"fwd:mb{i}", kind="forward"), self._autocast():
             h = self.model.embed(ids) if x_in is None else x_in
             h = self.model.decode(h, range(*self.layer_range))

@@ -39,7 +39,7 @@ from xronos.errors import UserError
 from xronos.planner.hybrid import HybridPlan, plan_hybrids
 from xronos.planner.memory import fits_alone, stage_need, tp_need
 from xronos.planner.pipeline import PipelinePlan
-from xronos.planner.pipesearch import device_stages, search_pipeline
+from xronos.planner.pipesearch import activation_bytes, device_stages, search_pipeline
 from xronos.planner.plan import (
     SEGMENTS,
     Plan,
@@ -377,7 +377,9 @@ def plan_auto(
         totals=segment_units(cfg, chunks["mlp_chunk"], chunks["vocab_chunk"]),
         batch_size=batch_size,
         grad_accum=grad_accum,
-        act_bytes=4.0 * batch_size * seq_len * cfg.hidden_size,
+        # what a stage sends: the profiled activation in its wire dtype (profiles priced
+        # on_the_wire halve it for bf16), fp32 where the profiles record no traffic
+        act_bytes=activation_bytes(profiles) or 4.0 * batch_size * seq_len * cfg.hidden_size,
         tp_kwargs={**chunks, "replicated_share": replicated_share},
         max_permuted=max_permuted,
         tied_bytes=tied_rows_bytes(cfg, profiles, batch_size * seq_len * grad_accum),
