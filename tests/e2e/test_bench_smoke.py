@@ -130,6 +130,13 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert strategies["single"]["speedup_vs_single_interval"] == pytest.approx([1.0, 1.0])
     assert solo["fast"] == pytest.approx(strategies["single"]["step_time_s"])
     ref = strategies["single"]["losses"]
+    # the smoke scenario's one warm-up step and 4 counted ones; a warm-up move anywhere
+    # lengthens every strategy's warm-up alike (they step in turn)
+    moved = any(entry["rebalanced"] for entry in strategies.values())
+    (warmup,) = {entry["warmup_steps"] for entry in strategies.values()}
+    assert warmup > 1 if moved else warmup == 1
+    for name, entry in strategies.items():
+        assert len(entry["losses"]) == warmup + 4, name
     for name in ("auto", "xronos", "tp-even", "pp-gpipe", "pp-1f1b"):
         assert strategies[name]["losses"] == pytest.approx(ref, rel=LOSS_RTOL), name
         # the bench's own check agrees, and says so in bench.json

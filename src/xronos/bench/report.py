@@ -35,18 +35,18 @@ from xronos.train.session import Strategy
 from xronos.utils import atomic_write_text
 
 
-def strategy_entry(name: Strategy, log: StrategyLog, scenario: Scenario) -> dict[str, Any]:
+def strategy_entry(name: Strategy, log: StrategyLog) -> dict[str, Any]:
     # what ran decides (auto may have run a pipeline)
     steps = [
         analyze_pipeline_step(recs) if is_pipeline(recs) else analyze_step(recs)
         for recs in log.records
     ]
-    run = summarize(steps, skip_warmup=scenario.warmup)
+    run = summarize(steps, skip_warmup=log.warmup)
     try:
         stall = stall_ratio(log.observed, log.isolated)
     except ValueError:
         stall = float("nan")
-    counted = log.losses[scenario.warmup :]
+    counted = log.losses[log.warmup :]
     return {
         **run.to_dict(),
         "tokens_per_s": log.tokens / run.step_time_s,
@@ -54,6 +54,7 @@ def strategy_entry(name: Strategy, log: StrategyLog, scenario: Scenario) -> dict
         "final_loss": counted[-1] if counted else float("nan"),
         "losses": log.losses,
         "rebalanced": log.moves,
+        "warmup_steps": log.warmup,
     }
 
 
@@ -82,7 +83,7 @@ def build_report(
                 "plan": None,
             }
         else:
-            entry = {"feasible": True, **strategy_entry(name, log, scenario), "plan": log.plan}
+            entry = {"feasible": True, **strategy_entry(name, log), "plan": log.plan}
         entry["peak_rss_mb"] = out.strategy_peak_mb.get(name) if log is not None else None
         entry["start_rss_mb"] = out.strategy_start_mb.get(name) if log is not None else None
         entry["predicted_memory_mb"] = out.predicted_memory_mb.get(name)

@@ -24,7 +24,8 @@ class Scenario:
     """Uncounted steps per strategy before them. ``ci-2dev`` and ``edge-3dev`` warm up for
     12: a calibrated tensor-parallel plan's balance is checked against its first steps
     after 10 of them, as ``xronos finetune`` does (:data:`xronos.bench.steps.BALANCE_HORIZON`),
-    and moved before the counted steps where that pays."""
+    and moved before the counted steps where that pays; such a move lengthens the warm-up
+    until it has been judged (:attr:`xronos.bench.steps.Run.warmup`)."""
     lora_rank: int = 0
     """0 = full fine-tuning."""
     description: str = ""

@@ -30,6 +30,11 @@ from xronos.train.tp import TPSession, compute_gaps
 ISOLATED_REPEATS = 3
 """Isolated re-runs of the last step per strategy; the stall ratio compares the mean
 isolated span with the mean of the same span over every counted step."""
+SETTLE = 2
+"""Warm-up steps after a move in the warm-up (a fresh shard's first steps run slow)."""
+MORE_WARMUP = 24
+"""The most steps that warm-up moves add to a bench's warm-up (a balance move at step 12
+is judged by step 20; its undo settles by step 22)."""
 BALANCE_HORIZON = 1000
 """Steps of the fine-tune whose first-plan balance check the bench applies in its warm-up
 (:mod:`xronos.run.rebalance`): a move must pay for itself over that many, as in a long
@@ -83,6 +88,8 @@ class StrategyLog:
     """Label tokens per step (:func:`~xronos.train.batches.label_count`)."""
     moves: list[dict[str, Any]] = field(default_factory=list)
     """The warm-up's re-balancing moves (the ``Rebalancer``'s events), oldest first."""
+    warmup: int = 0
+    """Uncounted steps before the counted ones (:attr:`Run.warmup`)."""
 
 
 def _observed(session: Session, rec: StepRecord, rank: int) -> list[Span]:
@@ -143,6 +150,10 @@ class Run:
         (:mod:`xronos.comm.iothreads`): after which strategy's step, or None."""
         self.first = self._data().peek()
         self.movers: dict[Strategy, Rebalancer] = {}
+        self.warmup = job.warmup
+        """Uncounted steps: the job's, longer where a warm-up move lets its new plan settle
+        (:data:`SETTLE` steps) and, for a balance move, until its steps have judged it
+        (undone or kept, as ``xronos finetune`` would)."""
 
     def _data(self) -> RandomBatches:
         cfg, shape = self.job.spec.source.cfg, self.job.spec.shape
@@ -198,7 +209,7 @@ class Run:
     ) -> Session | None:
         """One step of ``s``; the session to go on with (a new one where the warm-up's
         balance check moved it to another plan)."""
-        counted = step >= self.job.warmup
+        counted = step >= self.warmup
         records = _step(session, micro, self.ctx, self.logs[s], counted=counted)
         if self.io_restored is None and restored():
             self.io_restored = f"step {step} of {s.value}"
@@ -206,6 +217,12 @@ class Run:
         if mover is None or counted or not isinstance(session, TPSession):
             return session
         fresh = mover.after(session, records)
+        longer = self.warmup
+        if fresh is not None:  # moved: the new plan's first steps are not the run's
+            longer = step + 1 + SETTLE
+        if mover.undo is not None:  # a balance move waits for its steps' verdict
+            longer = max(longer, step + 2)
+        self.warmup = max(self.warmup, min(longer, self.job.warmup + MORE_WARMUP))
         return None if isinstance(fresh, Leave) else fresh or session
 
     def _finish(self, s: Strategy, session: Session | None, micro: list[Batch], iso: bool) -> None:
@@ -268,7 +285,8 @@ class Run:
         solo_times = SoloTimes.empty(ctx.world_size)
         ok = (self._solo_ranks(runs, solo_ok), solo_ok)
         data, micro, n = self._data(), [], max(len(runs), 1)
-        for step in range(job.warmup + job.steps):
+        step = 0
+        while step < self.warmup + job.steps:  # a warm-up move may lengthen the warm-up
             micro = data.next_step()
             k = step % n
             for s in runs[k:] + runs[:k]:
@@ -277,11 +295,15 @@ class Run:
                 sessions[s] = self._step(s, sessions[s], micro, step)
                 self.peaks[s] = max(self.peaks.get(s, 0), self.peak.peak_bytes())
             if job.solo:
-                self._solo_round(solo, micro, step >= job.warmup, ok, solo_times)
-            self.progress.step(step + 1, job.warmup + job.steps, job.warmup)
+                self._solo_round(solo, micro, step >= self.warmup, ok, solo_times)
+            if step < self.warmup:  # a move on some devices lengthens every device's
+                self.warmup = max(self.ctx.group.gather_object(self.warmup))
+            step += 1
+            self.progress.step(step, self.warmup + job.steps, self.warmup)
         if solo is not None:
             solo.close()
         for s in runs:
+            self.logs[s].warmup = self.warmup
             self._finish(s, sessions[s], micro, iso=True)
         return solo_times
 
@@ -294,6 +316,7 @@ class Run:
             self.peak.reset()
             session = self.open(s)
             data, micro = self._data(), []
+            self.logs[s].warmup = job.warmup  # no warm-up moves when strategies run alone
             for step in range(job.warmup + job.steps):
                 micro = data.next_step()
                 session = self._step(s, session, micro, step)
@@ -321,7 +344,7 @@ def solo_medians(
     out = [median_or_none(t) for t in times]
     single = logs.get(Strategy.SINGLE)
     if single is not None and single.records:
-        counted = [r[0].duration for r in single.records[job.warmup :] if r]
+        counted = [r[0].duration for r in single.records[single.warmup :] if r]
         out[job.fastest] = statistics.median(counted) if counted else None
     return out
 
