@@ -14,6 +14,7 @@ from xronos.bench.crossover import EXAMPLE, parse_links
 from xronos.bench.report import build_report, write_outputs
 from xronos.bench.scenarios import SCENARIOS, Scenario, get_scenario
 from xronos.bench.worker import BenchJob, BenchOutput, bench_worker
+from xronos.cli.common import add_comm_dtype_arg
 from xronos.emulation import load_cluster
 from xronos.emulation.cluster import LinkRequest
 from xronos.errors import UserError
@@ -62,13 +63,7 @@ def register(sub: Any) -> None:
     p.add_argument("--steps", type=int, help="counted steps per strategy (scenario default)")
     p.add_argument("--warmup", type=int, help="uncounted steps per strategy (scenario default)")
     p.add_argument("--no-cache", action="store_true", help="re-profile even if cached")
-    p.add_argument(
-        "--comm-dtype",
-        default="bf16",
-        choices=("fp32", "bf16"),
-        help="dtype activations travel in: TP's all-reduces, a pipeline's messages "
-        "(default: %(default)s; fp32 is exact)",
-    )
+    add_comm_dtype_arg(p)
     p.add_argument(
         "--overlap",
         action="store_true",

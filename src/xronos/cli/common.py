@@ -28,6 +28,17 @@ def parse_shares(text: str | None, devices: int) -> list[float]:
     return shares
 
 
+def add_comm_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """``--comm-dtype``, as ``xronos finetune`` takes it (``RunConfig.comm_dtype``)."""
+    p.add_argument(
+        "--comm-dtype",
+        default="bf16",
+        choices=("fp32", "bf16"),
+        help="dtype activations travel in: TP's all-reduces, a pipeline's messages "
+        "(default: %(default)s; fp32 is exact)",
+    )
+
+
 def add_model_arg(p: argparse.ArgumentParser, default: str | None = "tiny") -> None:
     p.add_argument(
         "--model",

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from xronos.cli.common import add_comm_dtype_arg
 from xronos.config import ModelConfig
 from xronos.errors import UserError
 from xronos.planner import plan_even, plan_pipeline, plan_tp, predict
@@ -36,13 +37,7 @@ def register(sub: Any) -> None:
         help="accumulation batches per optimizer step (auto: pipelines cut them into "
         "micro-batches)",
     )
-    p.add_argument(
-        "--comm-dtype",
-        default="bf16",
-        choices=("fp32", "bf16"),
-        help="dtype activations travel in (TP's all-reduces, a pipeline's messages), as "
-        "`xronos finetune --comm-dtype` (default: %(default)s; fp32 is exact)",
-    )
+    add_comm_dtype_arg(p)
     p.add_argument("--out", help="write the plan as JSON here")
     p.set_defaults(run=run)
 
