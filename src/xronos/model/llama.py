@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xronos.config import ModelConfig
+from xronos.model.norm import RMSNorm
 from xronos.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -52,19 +53,6 @@ def project(
         return fused(x, linears)  # type: ignore[no-any-return]
     y = enter(x)
     return tuple(lin(y) for lin in linears)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
 
 
 class Attention(nn.Module):
