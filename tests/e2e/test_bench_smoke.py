@@ -94,6 +94,12 @@ def test_bench_smoke(tmp_path: Path) -> None:
     if ran["strategy"] != "xronos":  # (xronos: its calibrated plan's; a unit test covers it)
         assert auto["predicted_step_time_s"] == pytest.approx(ran["predicted_step_s"])
     assert auto["predicted_step_time_s"] > 0
+    # auto against the best other strategy of the run, from the same counted rounds
+    against = bench["auto_vs_best_other"]
+    medians = {n: e["step_time_s"] for n, e in strategies.items() if n != "auto"}
+    assert against["best_other"] == min(medians, key=lambda n: medians[n])
+    assert against["ratio"] == pytest.approx(auto["step_time_s"] / min(medians.values()))
+    assert against["interval"][0] <= against["interval"][1]
     for name in ("single", "xronos", "tp-even", "pp-1f1b"):
         assert strategies[name]["predicted_step_time_s"] > 0, name
     for name, entry in strategies.items():

@@ -115,7 +115,8 @@ def _bench(single: float, steps: dict[str, float], chosen: str, link: str) -> di
 
 LINKS = parse_links("loopback,1Gbit,200Mbit,100Mbit")
 BENCHES = [
-    _bench(0.5, {"auto": 0.42, "xronos": 0.40, "single": 0.5}, "xronos", "loopback"),
+    _bench(0.5, {"auto": 0.42, "xronos": 0.40, "single": 0.5}, "xronos", "loopback")
+    | {"auto_vs_best_other": {"best_other": "xronos", "ratio": 1.05, "interval": [0.98, 1.1]}},
     _bench(0.5, {"auto": 0.45, "xronos": 0.45, "single": 0.5}, "xronos", "1 Gbit/s (tbf)"),
     _bench(0.5, {"auto": 0.5, "xronos": 0.6, "single": 0.5}, "single", "200 Mbit/s (tbf)"),
     _bench(0.5, {"auto": 0.5, "xronos": 0.8, "single": 0.5}, "single", "100 Mbit/s (tbf)"),
@@ -143,10 +144,16 @@ def test_crossover_record_has_each_links_ratios_pick_and_mechanisms() -> None:
 def test_markdown_table_has_a_row_per_link_and_autos_pick() -> None:
     doc = crossover.crossover(LINKS, BENCHES, {})
     lines = crossover.format_table(doc).splitlines()
-    assert lines[0] == "| link | auto | xronos | single | auto's pick | single s/step |"
-    assert lines[1] == "|---|---:|---:|---:|---|---:|"
-    assert lines[2] == "| loopback | 0.84 | 0.80 | 1.00 | xronos | 0.500 |"
-    assert lines[5] == "| 100Mbit | 1.00 | 1.60 | 1.00 | single | 0.500 |"
+    head = (
+        "| link | auto | xronos | single | auto's pick | single s/step | auto ÷ best other (95 %) |"
+    )
+    assert lines[0] == head
+    assert lines[1] == "|---|---:|---:|---:|---|---:|---|"
+    row = "| loopback | 0.84 | 0.80 | 1.00 | xronos | 0.500 | 1.050 (0.980–1.100) vs xronos |"
+    assert lines[2] == row
+    assert (
+        lines[5] == "| 100Mbit | 1.00 | 1.60 | 1.00 | single | 0.500 | — |"
+    )  # not in its bench.json
     assert len(lines) == 6
 
 
@@ -159,8 +166,8 @@ def test_a_strategy_whose_loss_left_singles_is_marked() -> None:
     doc = crossover.crossover(LINKS, benches, {})
     assert doc["links"][1]["strategies"]["xronos"]["loss_matches_single"] is False
     lines = crossover.format_table(doc).splitlines()
-    assert lines[3] == "| 1Gbit | 0.90 | 0.90† | 1.00 | xronos | 0.500 |"
-    assert lines[2] == "| loopback | 0.84 | 0.80 | 1.00 | xronos | 0.500 |"  # not compared: no mark
+    assert lines[3] == "| 1Gbit | 0.90 | 0.90† | 1.00 | xronos | 0.500 | — |"
+    assert lines[2].startswith("| loopback | 0.84 | 0.80 | 1.00 |")  # not compared: no mark
     assert lines[-1].startswith("† its loss left single's")
 
 

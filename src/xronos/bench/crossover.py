@@ -151,6 +151,7 @@ def link_entry(link: SweepLink, bench: Mapping[str, Any]) -> dict[str, Any]:
         "strategies": rows,
         "auto_chosen": auto.get("chosen"),
         "auto_ran": ran.get("strategy") if isinstance(ran, dict) else None,
+        "auto_vs_best_other": bench.get("auto_vs_best_other"),
         "emulation": mechanisms(bench),
     }
 
@@ -177,11 +178,15 @@ def crossover(
 
 def format_table(doc: Mapping[str, Any]) -> str:
     """The markdown table: one row per link, each strategy's step time ÷ single's (marked
-    ``†`` where its loss left single's: it trained another model), auto's pick, and
-    single's step time for scale; a line under the table explains the mark."""
+    ``†`` where its loss left single's: it trained another model), auto's pick, single's
+    step time for scale and, where auto ran, its step ÷ the best other strategy's with
+    that ratio's 95 % interval; a line under the table explains the mark."""
     names: list[str] = list(doc.get("strategies", []))
+    against = "auto" in names
     head = ["link", *names, "auto's pick", "single s/step"]
-    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * len(names) + "---|---:|"]
+    head += ["auto ÷ best other (95 %)"] if against else []
+    rule = "|---|" + "---:|" * len(names) + "---|---:|" + ("---|" if against else "")
+    out = ["| " + " | ".join(head) + " |", rule]
     marked = False
     for entry in doc.get("links", []):
         rows = entry["strategies"]
@@ -197,6 +202,8 @@ def format_table(doc: Mapping[str, Any]) -> str:
             pick += f" (ran {entry['auto_ran']})"
         single = entry.get("single_step_time_s")
         cells += [pick, f"{single:.3f}" if single else "—"]
+        if against:
+            cells.append(_against(entry.get("auto_vs_best_other")))
         out.append("| " + " | ".join(cells) + " |")
     if marked:  # a blank line, then the footnote under the table
         out += [
@@ -204,6 +211,15 @@ def format_table(doc: Mapping[str, Any]) -> str:
             "† its loss left single's (bench.json: loss_gap_vs_single): not the same training",
         ]
     return "\n".join(out) + "\n"
+
+
+def _against(found: Mapping[str, Any] | None) -> str:
+    """``1.052 (0.981–1.103) vs xronos``, or — where auto had nothing to be judged by."""
+    if not found or found.get("ratio") is None:
+        return "—"
+    interval = found.get("interval")
+    spread = f" ({interval[0]:.3f}–{interval[1]:.3f})" if interval else ""
+    return f"{found['ratio']:.3f}{spread} vs {found['best_other']}"
 
 
 def clear_outputs(out_dir: Path) -> None:

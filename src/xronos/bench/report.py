@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from xronos.bench.scenarios import Scenario
-from xronos.bench.spread import speedup_interval
+from xronos.bench.spread import against_best_other, speedup_interval
 from xronos.bench.worker import BenchOutput, StrategyLog
 from xronos.config import ModelConfig
 from xronos.emulation import ClusterSpec
@@ -119,10 +119,25 @@ def build_report(
         entry["speedup_vs_single_interval"] = speedup_interval(
             single_steps, entry.get("step_time_s_all") or []
         )
+    result["auto_vs_best_other"] = auto_against_best(result["strategies"])
     together_bound(result, cluster, solo, out.solo_together_step_time_s)
     loss_agreement(result["strategies"])
     result.update(meta)
     return result
+
+
+def auto_against_best(strategies: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """``auto``'s median step over the best other strategy's of the run (``single``
+    included), with that ratio's 95 % interval over the counted rounds resampled
+    (:func:`~xronos.bench.spread.against_best_other`); None where ``auto`` did not run or
+    nothing else did."""
+    auto = strategies.get(Strategy.AUTO.value, {}).get("step_time_s_all")
+    others = {
+        name: entry["step_time_s_all"]
+        for name, entry in strategies.items()
+        if name != Strategy.AUTO.value and entry.get("step_time_s_all")
+    }
+    return against_best_other(auto, others) if auto else None
 
 
 def measured_link(profile: DeviceProfile) -> dict[str, Any]:

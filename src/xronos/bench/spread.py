@@ -1,5 +1,6 @@
 """How far a strategy's speed-up over ``single`` could move with the host's noise: a
-percentile interval from resampling the bench's rounds.
+percentile interval from resampling the bench's rounds. The same for ``auto`` against the
+best other strategy of the run (:func:`against_best_other`).
 
 The bench interleaves strategies round by round, so step ``i`` of every strategy ran at
 about the same moment; the host's drift hits a round's steps alike. Resampling whole rounds
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 RESAMPLES = 2000
 """Resampled runs per interval: enough for the 2.5 and 97.5 percentiles to settle within
@@ -40,13 +41,47 @@ def speedup_interval(
     n = len(steps)
     if n != len(single) or n < LEAST_ROUNDS or min(steps) <= 0:
         return None
+    return _interval(
+        lambda picks: _median(single, picks) / _median(steps, picks), n, resamples, seed
+    )
+
+
+def against_best_other(
+    target: Sequence[float],
+    others: Mapping[str, Sequence[float]],
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> dict[str, object] | None:
+    """``median(target) / median(best)``, ``best`` the other strategy with the lowest
+    median step (``single`` included): ``{"best_other", "ratio", "interval"}``, the
+    interval that of the same statistic over resampled rounds, the best one chosen anew in
+    each (None where some strategy was not timed round by round with the target, or over
+    too few rounds). None where there is no other strategy or a step is not positive."""
+    runs = {name: list(steps) for name, steps in others.items() if steps}
+    if not target or not runs or min(target) <= 0 or min(min(s) for s in runs.values()) <= 0:
+        return None
+    n = len(target)
+    best = min(runs, key=lambda name: statistics.median(runs[name]))
+    ratio = statistics.median(target) / statistics.median(runs[best])
+    paired = n >= LEAST_ROUNDS and all(len(s) == n for s in runs.values())
+
+    def statistic(picks: Sequence[int]) -> float:
+        return _median(target, picks) / min(_median(s, picks) for s in runs.values())
+
+    interval = _interval(statistic, n, resamples, seed) if paired else None
+    return {"best_other": best, "ratio": ratio, "interval": interval}
+
+
+def _median(steps: Sequence[float], picks: Sequence[int]) -> float:
+    return statistics.median(steps[i] for i in picks)
+
+
+def _interval(
+    statistic: Callable[[Sequence[int]], float], n: int, resamples: int, seed: int
+) -> tuple[float, float]:
+    """The :data:`LEVEL` percentile interval of ``statistic`` over ``resamples`` draws of
+    ``n`` rounds with replacement."""
     rng = random.Random(seed)
-    ratios = []
-    for _ in range(resamples):
-        picks = [rng.randrange(n) for _ in range(n)]
-        ratios.append(
-            statistics.median(single[i] for i in picks) / statistics.median(steps[i] for i in picks)
-        )
-    ratios.sort()
+    values = sorted(statistic([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
     k = round((1.0 - LEVEL) / 2 * (resamples - 1))  # as many resamples cut from each tail
-    return ratios[k], ratios[-1 - k]
+    return values[k], values[-1 - k]

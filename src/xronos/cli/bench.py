@@ -319,13 +319,21 @@ def bench_once(
 
 def interval_line(result: dict[str, Any]) -> str | None:
     """Each strategy's speed-up over ``single`` with its 95 % interval over resampled
-    rounds (:mod:`xronos.bench.spread`); None where no strategy has one."""
+    rounds (:mod:`xronos.bench.spread`), and ``auto``'s step over the best other's with
+    its own; None where no strategy has one."""
     parts = [
         f"{n} {e['speedup_vs_single']:.2f}x ({lo:.2f}-{hi:.2f})"
         for n, e in result["strategies"].items()
         if n != "single" and e.get("speedup_vs_single_interval")
         for lo, hi in [e["speedup_vs_single_interval"]]
     ]
+    against = result.get("auto_vs_best_other") or {}
+    if against.get("interval"):
+        lo, hi = against["interval"]
+        parts.append(
+            f"auto {against['ratio']:.3f} x the best other ({against['best_other']}, "
+            f"{lo:.3f}-{hi:.3f})"
+        )
     if not parts:
         return None
     return "x single, 95 % interval over the rounds resampled: " + ", ".join(parts)
