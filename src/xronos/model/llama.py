@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xronos.config import ModelConfig
+from xronos.model.head import head_logits
 from xronos.model.norm import RMSNorm
 from xronos.model.rope import RotaryEmbedding, apply_rotary
 
@@ -238,7 +239,7 @@ class LMHead(nn.Module):
         return self.lm_head(h)  # type: ignore[no-any-return]
 
     def loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(h).float()
+        logits = head_logits(self.lm_head, h).float()
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
             targets.reshape(-1),
