@@ -39,16 +39,14 @@ def head_logits(lm_head: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """``lm_head(h)`` for ``h (…, H)``: through :class:`_HeadProduct` where ``lm_head`` is a
     plain bias-free ``nn.Linear`` with fp32 weight and input outside autocast, else the
     module itself (an adapter's wrapper, a bias, other dtypes keep their own path)."""
-    weight = getattr(lm_head, "weight", None)
     plain = (
         type(lm_head) is nn.Linear
         and lm_head.bias is None
-        and weight is not None
-        and weight.dtype == torch.float32
+        and lm_head.weight.dtype == torch.float32
         and h.dtype == torch.float32
         and not torch.is_autocast_enabled("cpu")
     )
     if not plain:
         return lm_head(h)  # type: ignore[no-any-return]
     flat = h.reshape(-1, h.shape[-1])
-    return _HeadProduct.apply(flat, weight).reshape(*h.shape[:-1], -1)  # type: ignore[no-any-return]
+    return _HeadProduct.apply(flat, lm_head.weight).reshape(*h.shape[:-1], -1)  # type: ignore[no-any-return]
