@@ -13,6 +13,7 @@ from typing import Any, cast
 
 from xronos.comm.launch import WorkerFn, launch
 from xronos.emulation import ClusterSpec, Emulator
+from xronos.emulation.competitor import PERIOD_S as LOAD_PERIOD_S
 from xronos.emulation.limits import Mechanism
 from xronos.emulation.netns import BUCKET_S
 from xronos.emulation.slot import assign_cpus, cpu_sharers
@@ -66,6 +67,8 @@ def measurement_context(
                 "emulated": emulate,
                 "cpu_period_us": cpu_period_us if emulate else None,
                 "cpu_limit": cpu_limit if emulate else None,
+                # the competing load's own period (``cpu_period_us`` is a quota's)
+                "load_period_us": round(LOAD_PERIOD_S * 1e6) if emulate else None,
                 "cpu_model": _cpu_model(),
                 "shares_cpus_with": sorted(sharing) if emulate else [],
                 # a shaped link's bucket decides what a message costs (earlier: 2 ms)
