@@ -3,12 +3,15 @@
 ::
 
     checkpoints/step-00000120/
-      rank0.safetensors   rank 0's slice of every split tensor + every whole tensor
+      rank0.safetensors   rank 0's slice of every split tensor + the whole tensors it owns
       rank1.safetensors   rank 1's slice of every split tensor (+ its own RNG state)
       ...
       index.json          per tensor key: full shape, dtype, split dim, each rank's [start, end)
       meta.json           step, plan, model config, LoRA, base fingerprint, caller's ``extra``
       COMPLETE            written last; a directory without it is not a checkpoint
+
+Under tensor parallelism rank 0 owns every whole (replicated) tensor; in a pipeline each
+stage's leader owns its stage's (:mod:`xronos.pipeline.checkpoint`).
 
 Tensor keys: ``param/<name>`` (Hugging Face parameter name), ``optim/<state>/<name>``
 (AdamW ``exp_avg``/``exp_avg_sq`` split like the parameter, ``step`` whole),

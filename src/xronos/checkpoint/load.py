@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,23 @@ CHECKPOINTS = "checkpoints"
 
 Slices = SliceReader | RemoteCheckpoint
 """Where a checkpoint's slices come from: its files here, or the coordinator's."""
+
+
+@dataclass(frozen=True)
+class Share:
+    """A part of the model (a pipeline stage) restored from a checkpoint of the whole."""
+
+    whole: frozenset[str]
+    """The whole model's trainable parameter names: the checkpoint must hold these."""
+    copies: frozenset[str]
+    """Names held here whose optimizer state another rank keeps (the first stage's copy
+    of a tied matrix): their values are restored, not their state."""
+    lora: dict[str, Any] | None
+    """The whole model's LoRA settings (:func:`~.state.describe_lora`)."""
+    fingerprint: Callable[[], list[float] | None]
+    """The whole model's base fingerprint (collective over every part)."""
+    rank: int
+    """This rank in the whole run's group: whose global RNG state it takes back."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +161,7 @@ def load_checkpoint(
     cfg: ModelConfig,
     plan: Plan,
     group: TPGroup,
+    share: Share | None = None,
 ) -> Loaded:
     """Restore a checkpoint into this rank's freshly built shard; collective for LoRA runs.
 
@@ -151,14 +170,17 @@ def load_checkpoint(
     settings); its frozen base weights stay as built, its trainable parameters are
     overwritten. With an ``optimizer`` its AdamW state, the global torch RNG and the LoRA
     dropout generators are restored too (the step to continue from is the returned
-    ``step``).
+    ``step``). With a ``share`` the model is one part of the whole (a pipeline stage, or
+    a tensor-parallel shard of one: ``plan`` and ``group`` are the stage's); the
+    checkpoint may come from any strategy.
 
     Returns:
         The step the checkpoint was written at and the ``extra`` dict given to
         :func:`~xronos.checkpoint.save_checkpoint`.
     Raises:
-        UserError: incomplete/damaged checkpoint, or one written for another model shape,
-            LoRA configuration or base weights.
+        UserError: incomplete/damaged checkpoint, one written for another model shape,
+            LoRA configuration or base weights, or one without optimizer state when an
+            ``optimizer`` is to be restored.
     """
     ckpt = Path(ckpt_dir)
     reader: Slices
@@ -172,16 +194,30 @@ def load_checkpoint(
         layouts, params = read_layouts(ckpt)
         reader = SliceReader(ckpt, layouts)
     _check_config(ckpt, meta, cfg)
-    _check_lora(ckpt, meta, model)
-    _check_names(ckpt, params, model)
+    _check_lora(ckpt, meta, share.lora if share is not None else describe_lora(model))
+    names = frozenset(n for n, _ in trainable(model))
+    if share is not None and not names <= share.whole:
+        raise ValueError(
+            f"a share holds parameters outside the whole: {sorted(names - share.whole)[:3]}"
+        )
+    _check_names(ckpt, params, share.whole if share is not None else names)
+    if optimizer is not None and not meta.get("optimizer", any(params.values())):
+        raise UserError(
+            f"checkpoint {ckpt} holds the weights but no optimizer state (an older pipeline "
+            "run's), so training cannot continue from it; export it with xronos export, or "
+            "start a new run"
+        )
     saved_print = (meta.get("base") or {}).get("fingerprint")
     if saved_print is not None:
-        now = base_fingerprint(model, cfg, plan, group)
+        now = (
+            share.fingerprint() if share is not None else base_fingerprint(model, cfg, plan, group)
+        )
         if now is None or not same_fingerprint(saved_print, now):
             raise UserError(
                 f"checkpoint {ckpt} was written for other base weights than this model's "
                 f"({_source(meta)}); resume with the base model it was trained on"
             )
+    copies = share.copies if share is not None else frozenset()
     with reader, torch.no_grad():
         for name, p in trainable(model):
             key = f"param/{name}"
@@ -194,13 +230,13 @@ def load_checkpoint(
                     f"model's shard is {list(p.shape)}; resume with the same model"
                 )
             p.copy_(value)
-            if optimizer is not None:
+            if optimizer is not None and name not in copies:
                 state = _optim_state(reader, layouts, name, params[name], full, box)
                 optimizer.state.pop(p, None)
                 if state:
                     optimizer.state[p] = state
         if optimizer is not None:
-            _restore_rng(reader, layouts, model, group.rank)
+            _restore_rng(reader, layouts, model, share.rank if share else group.rank)
     return Loaded(step=int(meta["step"]), extra=dict(meta.get("extra") or {}))
 
 
@@ -265,8 +301,8 @@ def _lora_text(d: dict[str, Any] | None) -> str:
     return f"LoRA r={d['r']}, alpha={d['alpha']}, targets {','.join(d['target_modules'])}"
 
 
-def _check_lora(ckpt: Path, meta: dict[str, Any], model: nn.Module) -> None:
-    saved, now = meta.get("lora"), describe_lora(model)
+def _check_lora(ckpt: Path, meta: dict[str, Any], now: dict[str, Any] | None) -> None:
+    saved = meta.get("lora")
     same = (saved is None and now is None) or (
         saved is not None
         and now is not None
@@ -281,9 +317,8 @@ def _check_lora(ckpt: Path, meta: dict[str, Any], model: nn.Module) -> None:
         )
 
 
-def _check_names(ckpt: Path, params: dict[str, list[str]], model: nn.Module) -> None:
-    names = [n for n, _ in trainable(model)]
-    extra, missing = sorted(set(params) - set(names)), sorted(set(names) - set(params))
+def _check_names(ckpt: Path, params: dict[str, list[str]], names: frozenset[str]) -> None:
+    extra, missing = sorted(set(params) - names), sorted(names - set(params))
     if extra or missing:
         raise UserError(
             f"checkpoint {ckpt} was written for other trainable parameters "

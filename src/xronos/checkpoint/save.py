@@ -79,26 +79,66 @@ def save_checkpoint(
     Raises:
         UserError: the checkpoint could not be written (disk full, no permission).
     """
-    final = Path(ckpt_dir)
-    extra_text = json.dumps(extra)  # fail early, on every rank alike, if not JSON
+    extra = json.loads(json.dumps(extra))  # fail early, on every rank alike, if not JSON
     local = collect(model, optimizer, cfg, plan, group.rank)
-    fingerprint = base_fingerprint(model, cfg, plan, group)
-    pid = torch.tensor([os.getpid() if group.rank == 0 else 0], dtype=torch.int64)
-    group.all_reduce(pid, "ckpt.pid")
-    staged = staging_path(final, int(pid.item()))
-    meta = {
+    meta = checkpoint_meta(
+        step=step,
+        world_size=group.size,
+        layout=plan.to_dict(),
+        cfg=cfg,
+        lora=describe_lora(model),
+        base={"dtype": base_dtype(model), "fingerprint": base_fingerprint(model, cfg, plan, group)},
+        optimizer=optimizer is not None,
+        extra=extra,
+    )
+    write_checkpoint(ckpt_dir, local, meta, group)
+
+
+def checkpoint_meta(
+    *,
+    step: int,
+    world_size: int,
+    layout: dict[str, Any],
+    cfg: ModelConfig,
+    lora: dict[str, Any] | None,
+    base: dict[str, Any],
+    optimizer: bool,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """``meta.json`` of a checkpoint: ``layout`` is how the saving ranks split the model
+    (a Plan's, a pipeline's or a hybrid's dict, written as ``plan``), ``base`` the frozen
+    weights' dtype and fingerprint, ``optimizer`` whether AdamW's state is saved (a
+    checkpoint without it can be exported, not resumed)."""
+    return {
         "format": FORMAT,
         "version": VERSION,
         "step": step,
-        "world_size": group.size,
-        "plan": plan.to_dict(),
+        "world_size": world_size,
+        "plan": layout,
         "model_config": config_dict(cfg),
         "config_hash": config_hash(cfg),
-        "lora": describe_lora(model),
-        "base": {"dtype": base_dtype(model), "fingerprint": fingerprint},
-        "extra": json.loads(extra_text),
+        "lora": lora,
+        "base": base,
+        "optimizer": optimizer,
+        "extra": json.loads(json.dumps(extra)),
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def write_checkpoint(
+    ckpt_dir: str | os.PathLike[str], local: RankState, meta: dict[str, Any], group: TPGroup
+) -> None:
+    """Write ``meta`` and every rank's ``local`` state to ``ckpt_dir`` (collective over
+    ``group``, whose rank 0 writes every file); rank 0's ``local`` holds the index of
+    every tensor, the others' their own tensors.
+
+    Raises:
+        UserError: the checkpoint could not be written (disk full, no permission).
+    """
+    final = Path(ckpt_dir)
+    pid = torch.tensor([os.getpid() if group.rank == 0 else 0], dtype=torch.int64)
+    group.all_reduce(pid, "ckpt.pid")
+    staged = staging_path(final, int(pid.item()))
 
     def cleanup() -> None:
         if group.rank == 0:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,25 +164,48 @@ def _chunks(p: torch.Tensor) -> Iterator[torch.Tensor]:
     yield from p.detach().reshape(-1).split(_FINGERPRINT_CHUNK)
 
 
+def frozen_sums(
+    model: nn.Module,
+    cfg: ModelConfig,
+    plan: Plan,
+    rank: int,
+    counted: Callable[[str], bool] = lambda name: True,
+) -> torch.Tensor:
+    """``[Σx, Σx², Σ|x|, n]`` in float64 over the frozen weights of ``model`` (a shard of
+    rank ``rank`` under ``plan``) that ``counted`` accepts, each element counted by one
+    rank of the plan (a replicated weight by rank 0, a shared K/V row by its owner); ``n``:
+    how many frozen tensors were counted (0: nothing is frozen). Summed over every rank
+    that holds a part of the model, the first three are :func:`base_fingerprint`."""
+    acc = torch.zeros(4, dtype=torch.float64)
+    for name, p in model.named_parameters():
+        if p.requires_grad or not counted(name):
+            continue
+        acc[3] += 1
+        own, spec = owned_part(p, name, cfg, plan, rank)
+        if spec is None and rank != 0:
+            continue  # replicated: rank 0 counts it (a shared K/V row: its owner)
+        for c in _chunks(own):
+            x = c.double()
+            acc[:3] += torch.stack([x.sum(), x.pow(2).sum(), x.abs().sum()])
+    return acc
+
+
+def fingerprint_of(acc: torch.Tensor) -> list[float] | None:
+    """The fingerprint of :func:`frozen_sums` summed over the ranks (None: nothing frozen)."""
+    return [float(v) for v in acc[:3]] if acc[3] > 0 else None
+
+
 def base_fingerprint(
     model: nn.Module, cfg: ModelConfig, plan: Plan, group: TPGroup
 ) -> list[float] | None:
     """``[Σx, Σx², Σ|x|]`` over the frozen weights (each element counted once across the
     group), in float64; None when nothing is frozen. Collective when frozen weights exist
     (every rank of a group holds the same model, so all take the same branch)."""
-    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    if not frozen:
+    if all(p.requires_grad for p in model.parameters()):
         return None
-    acc = torch.zeros(3, dtype=torch.float64)
-    for name, p in frozen:
-        own, spec = owned_part(p, name, cfg, plan, group.rank)
-        if spec is None and group.rank != 0:
-            continue  # replicated: rank 0 counts it (a shared K/V row: its owner)
-        for c in _chunks(own):
-            x = c.double()
-            acc += torch.stack([x.sum(), x.pow(2).sum(), x.abs().sum()])
+    acc = frozen_sums(model, cfg, plan, group.rank)
     group.all_reduce(acc, "ckpt.fingerprint")
-    return [float(v) for v in acc]
+    return fingerprint_of(acc)
 
 
 def same_fingerprint(a: list[float], b: list[float]) -> bool:
