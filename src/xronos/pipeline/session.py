@@ -2,9 +2,10 @@
 parallelism by several devices): a :class:`PipelineRunner` behind the loop's
 :class:`~xronos.train.session.Session` seam.
 
-Evaluation and checkpoints use the whole model gathered on rank 0, so a pipeline run
-evaluates and exports exactly like a tensor-parallel one. Its checkpoints hold the weights
-and the step but not the optimizer state: a pipeline run cannot be resumed.
+Evaluation uses the whole model gathered on one stage, so a pipeline run evaluates
+exactly like a tensor-parallel one. Each stage writes its own part of a checkpoint,
+optimizer state included (:mod:`xronos.pipeline.checkpoint`): a pipeline run resumes, on
+any strategy, and exports like any other.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from typing import Any
 
 import torch
 
-from xronos.checkpoint import save_checkpoint
 from xronos.comm.mappings import TPGroup
-from xronos.errors import UserError
 from xronos.metrics.records import Span
 from xronos.model.llama import LlamaForCausalLM
+from xronos.pipeline.checkpoint import load_stages, save_stages
 from xronos.pipeline.runner import PipelineRunner
 from xronos.planner.hybrid import HybridPlan
 from xronos.planner.pipeline import PipelinePlan
@@ -56,8 +56,9 @@ class PipelineSession:
         hybrid: HybridStages | None = None,
     ) -> None:
         """``stage_ranks``: which rank of ``group`` runs each stage (default: in order);
-        ``anchored``: the stage on the group's rank 0 evaluates and writes checkpoints (it
-        runs on the coordinator, which alone holds the run directory); ``hybrid``: the
+        ``anchored``: the stage on the group's rank 0 evaluates (it runs on the
+        coordinator, which alone holds the run directory; the group's rank 0 writes every
+        checkpoint in any case); ``hybrid``: the
         ranks of each stage, one stage tensor-parallel (``strategy`` ``hybrid``, run with
         the 1F1B schedule)."""
         if not strategy.is_pipeline:
@@ -113,25 +114,10 @@ class PipelineSession:
         return next(r for r in self.group.gather_object(mine) if r is not None)
 
     def save(self, path: Path, extra: dict[str, Any]) -> None:
-        model = self._whole()
-        if model is not None:
-            save_checkpoint(
-                path,
-                model=model,
-                optimizer=None,
-                step=self.steps_done,
-                cfg=self.source.cfg,
-                plan=Plan.single(self.source.cfg),
-                group=TPGroup(),
-                extra=extra,
-            )
-        self.group.barrier()
+        save_stages(self.runner, path, self.describe(), extra)
 
     def load(self, path: str) -> dict[str, Any]:
-        raise UserError(
-            "pipeline runs cannot be resumed (their checkpoints hold no optimizer "
-            "state); resume with --strategy xronos or tp-even"
-        )
+        return load_stages(self.runner, path).extra
 
     def gather_state(self) -> dict[str, torch.Tensor]:
         return self.runner.gather_state()
