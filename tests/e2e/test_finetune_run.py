@@ -64,7 +64,16 @@ def test_resume_matches_uninterrupted_and_reshards(tmp_path: Path) -> None:
         "xronos",
         "--no-emulate",
     )
+    # a pipeline's checkpoint holds its stages' AdamW state: it resumes as a pipeline
+    pipe = tmp_path / "pipe"
+    piped = [*SMALL, "--cluster", "ci-2dev", "--strategy", "pp-1f1b"]
+    _ok("finetune", *piped, "--steps", "3", "--out", str(pipe))
+    _ok("finetune", "--resume", str(pipe), "--steps", "6", "--no-emulate")
     want, got = _losses(whole), _losses(part)
+    piped_losses = _losses(pipe)
+    assert sorted(piped_losses) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+        assert piped_losses[step] == pytest.approx(want[step], rel=LOSS_RTOL), step
     # devices.json names each device's worker as it was started (the resumed run's three)
     table = json.loads((part / "devices.json").read_text())["devices"]
     assert [d["rank"] for d in table] == [0, 1, 2] and all(d["pid"] > 0 for d in table)

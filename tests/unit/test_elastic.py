@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from xronos.checkpoint import checkpoint_path
+from xronos.comm.mappings import TPGroup
 from xronos.emulation import ClusterSpec
 from xronos.emulation.cluster import CI_2DEV_MEM_CAP, DeviceSpec
 from xronos.errors import DeviceLost, UserError
@@ -20,9 +22,11 @@ from xronos.run import elastic
 from xronos.run.membership import request_join
 from xronos.run.monitor import RunMonitor
 from xronos.run.opening import SessionSpec
+from xronos.train.batches import RandomBatches
 from xronos.train.optim import OptimConfig
 from xronos.train.session import Strategy
 from xronos.train.source import ModelSource
+from xronos.train.tp import TPSession
 
 
 def _spec(strategy: Strategy, plan: Plan | None = None) -> SessionSpec:
@@ -205,3 +209,36 @@ def test_no_elastic_keeps_the_error(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         elastic.launch_elastic(prep, _monitor(tmp_path, 7))
     assert err.value is lost and str(lost) == "device 'slow' (rank 1) died: killed by SIGKILL"
     assert not (tmp_path / "metrics.jsonl").read_text()
+
+
+def _rewrite_meta(ckpt: Path, **fields: Any) -> None:
+    """Change ``meta.json`` of ``ckpt`` (a field set to None is removed), keeping the
+    completion marker's file sizes true."""
+    meta = json.loads((ckpt / "meta.json").read_text())
+    for key, value in fields.items():
+        if value is None:
+            del meta[key]
+        else:
+            meta[key] = value
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    complete = json.loads((ckpt / "COMPLETE").read_text())
+    complete["files"] = {n: (ckpt / n).stat().st_size for n in complete["files"]}
+    (ckpt / "COMPLETE").write_text(json.dumps(complete))
+
+
+def test_a_checkpoint_resumes_unless_it_lacks_optimizer_state(tmp_path: Path) -> None:
+    spec = _spec(Strategy.SINGLE)
+    session = TPSession(
+        spec.source, Plan.single(spec.source.cfg), TPGroup(), spec.optim, Strategy.SINGLE
+    )
+    data = RandomBatches(spec.source.cfg.vocab_size, batch_size=2, seq_len=8, seed=1)
+    session.step(data.next_step())
+    ckpt = checkpoint_path(tmp_path, 1)
+    session.save(ckpt, {"strategy": "pp-1f1b"})  # as a pipeline's, which now holds AdamW's
+    assert elastic.resumable(tmp_path) == ckpt
+    _rewrite_meta(ckpt, optimizer=False)
+    assert elastic.resumable(tmp_path) is None
+    _rewrite_meta(ckpt, optimizer=None)  # an older Xronos: a pipeline's held none
+    assert elastic.resumable(tmp_path) is None
+    _rewrite_meta(ckpt, extra={"strategy": "xronos"})  # ... a TP run's did
+    assert elastic.resumable(tmp_path) == ckpt

@@ -14,15 +14,15 @@ launcher then stops the other workers and the run goes on without that device::
 
 The strategy stays what it was, planned anew over the survivors (``auto`` may now pick
 ``single``); one survivor runs ``single`` (``auto`` when it has a memory cap, so that a
-model it cannot hold stops with one line). Pipeline checkpoints hold no optimizer state:
-a pipeline starts over from step 0. Each loss takes one device away, so this ends.
+model it cannot hold stops with one line). Checkpoints reshard across strategies, so a
+pipeline's survivors may go on as tensor parallelism and the other way round. Each loss
+takes one device away, so this ends.
 
 A lost device that asks to come back (``xronos join RUN_DIR DEVICE``) is taken back at
 the end of the step in flight: the workers stop with a checkpoint, and the job starts
 again on its devices plus the returning ones — all profiled anew (the returning device
 may have changed), planned anew with the run's first strategy, from that checkpoint
-(``device_joined``, then ``resumed`` with no step to do again). A pipeline run takes no
-device back.
+(``device_joined``, then ``resumed`` with no step to do again).
 """
 
 from __future__ import annotations
@@ -58,12 +58,9 @@ def launch_elastic(prep: Prepared, monitor: RunMonitor) -> tuple[list[Any], Prep
     while True:
         joins.asked = False
 
-        def stop_when(
-            pipeline: bool = prep.job.session.strategy.is_pipeline, began: int = monitor.last_step
-        ) -> bool:
-            # once a step is done every worker handles the stop signal; a pipeline's
-            # checkpoints hold no optimizer state: it takes no device back
-            return not pipeline and monitor.last_step > began and joins.ask()
+        def stop_when(began: int = monitor.last_step) -> bool:
+            # once a step is done every worker handles the stop signal
+            return monitor.last_step > began and joins.ask()
 
         try:
             results = launch_job(prep, monitor.on_event, stop_when, lost=joins.lost)
@@ -131,7 +128,7 @@ def on_devices(
     checkpoint's step (0: none, start over). ``cached``: their profiles, None to measure."""
     cluster = ClusterSpec(base.cluster.name, tuple(base.cluster.devices[r] for r in keep))
     spec = survivor_spec(base.job.session, cluster)
-    ckpt = None if spec.strategy.is_pipeline else resumable(prep.run_dir)
+    ckpt = resumable(prep.run_dir)
     profiles = replace(
         base.job.profiles,
         memory_caps=tuple(base.job.profiles.memory_caps[r] for r in keep),
@@ -140,7 +137,7 @@ def on_devices(
     )
     job = replace(
         prep.job,
-        session=replace(spec, resuming=ckpt is not None),
+        session=spec,
         profiles=profiles,
         resume=str(ckpt) if ckpt is not None else None,
     )
@@ -160,10 +157,12 @@ def survivor_spec(spec: SessionSpec, cluster: ClusterSpec) -> SessionSpec:
 
 
 def resumable(run_dir: Path) -> Path | None:
-    """The newest checkpoint of ``run_dir`` that tensor parallelism can resume (not a
-    pipeline's, which holds no optimizer state), or None."""
+    """The newest checkpoint of ``run_dir`` if training can continue from it, or None:
+    not one written by an older Xronos's pipeline run (weights, no optimizer state)."""
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         return None
-    strategy = read_checkpoint_meta(ckpt).get("extra", {}).get("strategy")
-    return None if strategy in (s.value for s in Strategy if s.is_pipeline) else ckpt
+    meta = read_checkpoint_meta(ckpt)
+    strategy = meta.get("extra", {}).get("strategy")
+    older = strategy in (s.value for s in Strategy if s.is_pipeline)
+    return ckpt if meta.get("optimizer", not older) else None

@@ -64,9 +64,6 @@ class SessionSpec:
     anchor: int | None = None
     """A device that every session must include: the coordinator, which alone holds the
     files and writes the run (``xronos worker``); None: any subset may run."""
-    resuming: bool = False
-    """The run continues from a checkpoint: ``auto`` leaves out what cannot resume
-    (pipelines, whose checkpoints hold no optimizer state)."""
 
 
 @dataclass

@@ -345,7 +345,6 @@ def resume_job(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
             f"--resume {cfg.resume}: its checkpoint is at step {meta['step']} of "
             f"{prep.job.steps}; pass a larger --steps to train further"
         )
-    session = replace(prep.job.session, resuming=True)
-    prep.job = replace(prep.job, resume=str(ckpt), session=session)
+    prep.job = replace(prep.job, resume=str(ckpt))
     prep.notes.append(f"resuming from {ckpt} (step {meta['step']})")
     return prep

@@ -14,10 +14,9 @@ from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
 from xronos.metrics.recorder import SpanRecorder, use_recorder
-from xronos.planner import PipelinePlan
 from xronos.planner.auto import Candidate, plan_auto
 from xronos.planner.calibrate import segment_times
-from xronos.planner.hybrid import NO_HYBRID, HybridPlan
+from xronos.planner.hybrid import NO_HYBRID
 from xronos.planner.memory import tp_need
 from xronos.planner.plan import Plan, segment_units
 from xronos.planner.profile import DeviceProfile, on_the_wire
@@ -89,7 +88,6 @@ def open_auto(
         for c in choice.candidates
         if c.feasible
         and (only is None or c.strategy == only)
-        and not (spec.resuming and only is None and isinstance(c.plan, PipelinePlan | HybridPlan))
         and (spec.anchor is None or spec.anchor in c.devices)
     ]
     if not runnable and only is not None:
