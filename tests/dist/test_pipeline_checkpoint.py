@@ -1,10 +1,12 @@
-"""Pipeline and hybrid checkpoints resume, on the same stages and across strategies.
+"""Pipeline and hybrid checkpoints resume, on the same stages and across strategies; a
+pipeline evaluates as one device with the same weights does.
 
 The product's own sessions train, save and load. One 3-rank world runs every case: a
 pipeline (or hybrid) trains a few steps, saves, trains on (the uninterrupted run); a fresh
 one resumes from the checkpoint on the same stages; tensor parallelism resumes from it on
 the same ranks; and the pipeline resumes from a tensor-parallel run's checkpoint. A single
-process then resumes from each pipeline checkpoint. The tied embedding trains on the last
+process then resumes from each pipeline checkpoint, and evaluates with its weights as
+the pipeline did when it wrote it (gathered on one stage). The tied embedding trains on the last
 stage (the first stage's copy is not saved); LoRA runs with dropout, so the dropout
 generators must come back.
 """
@@ -18,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from tests.dist import product
 from tests.dist.world import WorkerContext, run_world
 from xronos.checkpoint import read_checkpoint_meta
 from xronos.comm.mappings import TPGroup
+from xronos.data.dataset import TokenizedDataset
 from xronos.errors import UserError
 from xronos.model.lora import LoRAConfig
 from xronos.pipeline.session import HybridStages, PipelineSession
@@ -32,7 +36,7 @@ from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.plan import Plan
 from xronos.train.batches import RandomBatches
 from xronos.train.optim import OptimConfig
-from xronos.train.session import Session, Strategy
+from xronos.train.session import EvalResult, EvalSpec, Session, Strategy
 from xronos.train.source import ModelSource
 from xronos.train.tp import TPSession
 
@@ -47,6 +51,16 @@ CFG = product.four_layers(tied=True)
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, warmup_steps=4, max_grad_norm=1.0)
 BEFORE, AFTER = 3, 3
 TP_PLAN = Plan.from_shares(CFG, [3.0, 1.5, 1.0], mlp_chunk=8, vocab_chunk=8)
+# Evaluating the same weights on one process in both cases: only the thread count of the
+# matrix products may differ (a world's ranks vs the test process), ~1e-7 relative; a
+# stale tied matrix or a stage's adapters left out move the loss by ≥ 1e-3.
+EVAL_RTOL = 1e-5
+_ids = torch.randint(0, CFG.vocab_size, (3, 16), generator=torch.Generator().manual_seed(3))
+EVAL = EvalSpec(
+    dataset=TokenizedDataset(_ids.tolist(), _ids.tolist(), seq_len=16),
+    prompts=(tuple(_ids[0, :5].tolist()), tuple(_ids[1, :3].tolist())),
+    max_new_tokens=4,
+)
 HYBRID_TP = Plan.from_shares(CFG, [2.0, 1.0], mlp_chunk=8, vocab_chunk=8, devices=["r1", "r2"])
 
 
@@ -100,6 +114,7 @@ def _world(ctx: WorkerContext, cases: list[Case]) -> list[dict[str, Any]]:
         pp = _pipeline(case, ctx.group)
         _run(pp, 0, BEFORE)
         pp.save(Path(case.ckpt), _extra(pp))
+        evaluated = pp.evaluate(EVAL)
         uninterrupted = _run(pp, BEFORE, AFTER)
         pp.close()
         fresh = _pipeline(case, ctx.group)
@@ -125,6 +140,7 @@ def _world(ctx: WorkerContext, cases: list[Case]) -> list[dict[str, Any]]:
         out.append(
             {
                 "extra": extra,
+                "evaluated": evaluated,
                 "uninterrupted": uninterrupted,
                 "resumed": resumed,
                 "forgetful": forgetful,
@@ -136,12 +152,12 @@ def _world(ctx: WorkerContext, cases: list[Case]) -> list[dict[str, Any]]:
     return out
 
 
-def _single(cases: list[Case]) -> list[list[float]]:
+def _single(cases: list[Case]) -> list[tuple[EvalResult | None, list[float]]]:
     out = []
     for case in cases:
         alone = _tp(case, TPGroup())
         step = int(alone.load(case.ckpt)["data"]["step"])
-        out.append(_run(alone, step, AFTER))
+        out.append((alone.evaluate(EVAL), _run(alone, step, AFTER)))
     return out
 
 
@@ -187,7 +203,12 @@ def test_pipeline_checkpoints_resume_on_any_strategy(tmp_path: Path) -> None:
             assert res["resumed"] == ref["uninterrupted"], where
             assert res["tp_from_pp"] == pytest.approx(ref["uninterrupted"], rel=LOSS_RTOL), where
             assert res["pp_from_tp"] == pytest.approx(res["tp_uninterrupted"], rel=LOSS_RTOL), where
-        assert alone[i] == pytest.approx(ref["uninterrupted"], rel=LOSS_RTOL), case.name
+        evaluated, resumed = alone[i]
+        assert resumed == pytest.approx(ref["uninterrupted"], rel=LOSS_RTOL), case.name
+        assert evaluated is not None
+        for rank, res in enumerate(r[i]["evaluated"] for r in by_rank):
+            assert res.loss == pytest.approx(evaluated.loss, rel=EVAL_RTOL), (case.name, rank)
+            assert res.generated == evaluated.generated, (case.name, rank)
         # the control: a resume that loses the moments leaves the run by ~1e-2 relative
         assert ref["forgetful"] != pytest.approx(ref["uninterrupted"], rel=10 * LOSS_RTOL)
 

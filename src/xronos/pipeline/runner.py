@@ -381,9 +381,10 @@ class PipelineRunner:
             return gather_state(self.model, self.cfg, self.stage_plan, self.tp_group)
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
-    def gather_state(self) -> dict[str, torch.Tensor]:
-        """Every stage's parameters on every rank, by Hugging Face name (the full model;
-        :func:`~xronos.pipeline.gather.gather_stages`)."""
+    def gather_state(self, to: int | None = None, trained: bool = False) -> dict[str, torch.Tensor]:
+        """Every stage's parameters by Hugging Face name (the full model): on every rank,
+        or with ``to`` on that stage's leader alone (the others get an empty dict); with
+        ``trained`` the trainable ones alone (:func:`~xronos.pipeline.gather.gather_stages`)."""
         mine = self.state_dict()
         if self.group.size == 1:
             return {n: t.clone() for n, t in mine.items()}
@@ -393,5 +394,7 @@ class PipelineRunner:
             mine if self.leader else None,
             self.stage,
             self.ranks,
-            self.group,
+            self.group if to is None else self._p2p_group,
+            to,
+            trained,
         )

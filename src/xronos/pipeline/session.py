@@ -92,11 +92,12 @@ class PipelineSession:
         """The full model with the trained weights, on the evaluating stage only
         (collective): the stage that holds the most layers — the planner gives those to
         the fastest device — so that evaluation does not wait on the slowest."""
-        state = self.runner.gather_state()
         ranges = self.pplan.layer_ranges
         evaluator = max(range(len(ranges)), key=lambda j: (ranges[j][1] - ranges[j][0], j))
         if self.anchored:  # the coordinator alone writes: the stage on its rank
             evaluator = self.runner.layout.stage_of(0)
+        # the others hold only their stage; the frozen base is the one built below
+        state = self.runner.gather_state(to=evaluator, trained=True)
         if self.runner.stage != evaluator or not self.runner.leader:
             return None
         model = self.source.build(Plan.single(self.source.cfg), TPGroup())
