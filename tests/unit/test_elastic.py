@@ -61,6 +61,14 @@ def test_a_given_plan_is_made_anew() -> None:
     assert new.strategy is Strategy.XRONOS and new.plan is None
 
 
+@pytest.mark.parametrize(("survivors", "want"), [(2, Strategy.AUTO), (3, Strategy.HYBRID)])
+def test_a_hybrid_left_with_two_devices_runs_auto(survivors: int, want: Strategy) -> None:
+    # a hybrid needs three devices (two of them on faster links); two can still collaborate
+    names = ["a", "b", "c"][:survivors]
+    new = elastic.survivor_spec(_spec(Strategy.HYBRID), _cluster(*names))
+    assert new.strategy is want and new.hybrid is None and new.pipeline is None
+
+
 @pytest.mark.parametrize(
     ("memory", "want"), [(None, Strategy.SINGLE), (CI_2DEV_MEM_CAP, Strategy.AUTO)]
 )

@@ -13,10 +13,11 @@ launcher then stops the other workers and the run goes on without that device::
             ◄── launch again ──┘
 
 The strategy stays what it was, planned anew over the survivors (``auto`` may now pick
-``single``); one survivor runs ``single`` (``auto`` when it has a memory cap, so that a
-model it cannot hold stops with one line). Checkpoints reshard across strategies, so a
-pipeline's survivors may go on as tensor parallelism and the other way round. Each loss
-takes one device away, so this ends.
+``single``; a hybrid left with two devices becomes ``auto``); one survivor runs
+``single`` (``auto`` when it has a memory cap, so that a model it cannot hold stops with
+one line). Checkpoints reshard across strategies, so a pipeline's survivors may go on as
+tensor parallelism and the other way round. Each loss takes one device away, so this
+ends.
 
 A lost device that asks to come back (``xronos join RUN_DIR DEVICE``) is taken back at
 the end of the step in flight: the workers stop with a checkpoint, and the job starts
@@ -153,6 +154,8 @@ def survivor_spec(spec: SessionSpec, cluster: ClusterSpec) -> SessionSpec:
     if spec.strategy is Strategy.TP_EVEN:
         names = [d.name for d in cluster.devices]
         return replace(spec, plan=Plan.even(spec.source.cfg, names), pipeline=None, hybrid=None)
+    if spec.strategy is Strategy.HYBRID and cluster.world_size < 3:  # no hybrid is left
+        return replace(spec, strategy=Strategy.AUTO, plan=None, pipeline=None, hybrid=None)
     return replace(spec, plan=None, pipeline=None, hybrid=None)
 
 
