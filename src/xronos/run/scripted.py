@@ -4,7 +4,9 @@
 worker is killed with SIGKILL) and ``--rejoin`` (a lost device comes back, as ``xronos
 join`` asks).
 Each acts from outside the workers, as its real counterpart would, through the run's
-``devices.json``; each acts once.
+``devices.json``; each acts once. A program started by ``--disturb`` follows its device
+when the run starts its workers again (new limits, a new worker): within
+:data:`FOLLOW_S` of the new worker's start, before it profiles the device.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,9 @@ from xronos.emulation.intruder import Intruder
 from xronos.errors import UserError
 from xronos.run.membership import read_devices, request_join
 from xronos.runconfig import RunConfig
+
+FOLLOW_S = 0.05
+"""How often a started ``--disturb`` program checks that its device's worker is the same."""
 
 
 def parse_at(flag: str, text: str, devices: list[str]) -> tuple[str, int]:
@@ -74,13 +80,35 @@ class Disturb(AtStep):
     def __init__(self, run_dir: Path, device: str, step: int, say: Callable[[str], None]) -> None:
         super().__init__(run_dir, device, step, say)
         self.intruder = Intruder(device, say)
+        self.worker: int | None = None
+        """The device's worker when the program last started."""
+        self.off = False
 
     def act(self, step: int) -> bool:
         row = self.running()
         if row is None:
             return False
-        self.intruder.start(step, row.get("cpus", []), row.get("cgroups", []))
+        self.intruder.start(f"step {step}", row.get("cpus", []), row.get("cgroups", []))
+        self.worker = row["pid"]
         return True
+
+    def follow(self) -> None:
+        """Once started: when the device runs a new worker (the run started again, its
+        limits made anew, the program killed with the old ones), start the program again
+        inside the new limits; when the run loses the device, end it for good."""
+        if not self.done or self.off:
+            return
+        if self.device in read_devices(self.run_dir).get("lost", []):
+            self.off = True  # switched off or lost: its programs end with it
+            self.intruder.stop()
+            return
+        row = self.running()
+        if row is None or row["pid"] == self.worker:
+            return
+        self.worker = row["pid"]
+        self.intruder.stop()  # where the old limits did not take it with them
+        cpus, cgroups = row.get("cpus", []), row.get("cgroups", [])
+        self.intruder.start("new worker, the same device", cpus, cgroups)
 
 
 class Leave(AtStep):
@@ -127,10 +155,25 @@ class Script:
             name, step = parse_at("--rejoin", cfg.rejoin, devices)
             self.hooks.append(Rejoin(run_dir, name, step, say).on_step)
 
+        self._halt = threading.Event()
+        self._follower: threading.Thread | None = None
+        if self.disturb:
+            self._follower = threading.Thread(target=self._follow, daemon=True)
+            self._follower.start()
+
+    def _follow(self) -> None:
+        while not self._halt.wait(FOLLOW_S):
+            for d in self.disturb:
+                with contextlib.suppress(OSError):  # a worker that ended meanwhile
+                    d.follow()
+
     def on_step(self, step: int) -> None:
         for hook in self.hooks:
             hook(step)
 
     def stop(self) -> None:
+        self._halt.set()
+        if self._follower is not None:
+            self._follower.join()
         for d in self.disturb:
             d.intruder.stop()
