@@ -137,3 +137,17 @@ def test_only_the_coordinator_holds_files(tmp_path: Path) -> None:
     assert main(["finetune", *args]) == 0
     single = _losses(tmp_path / "one4")
     assert [resumed[5], resumed[6]] == pytest.approx([single[5], single[6]], rel=1e-4)
+
+    # a pipeline continues the run (the device reads its stage's part of the checkpoint
+    # through the coordinator, which writes both stages' files), then tp-even continues
+    # the pipeline's: the same training as the single process's
+    _agents(hub, pi, ["--resume", "run", "--steps", "8", "--strategy", "pp-1f1b"])
+    meta = json.loads((hub / "run/checkpoints/step-00000008/meta.json").read_text())
+    assert meta["extra"]["strategy"] == "pp-1f1b" and meta["optimizer"] is True
+    _agents(hub, pi, ["--resume", "run", "--steps", "10", "--strategy", "tp-even"])
+    assert _files(pi) == []
+    assert main(["finetune", "--resume", str(tmp_path / "one4"), "--steps", "10"]) == 0
+    got, single = _losses(hub / "run"), _losses(tmp_path / "one4")
+    assert [got[s] for s in range(7, 11)] == pytest.approx(
+        [single[s] for s in range(7, 11)], rel=1e-4
+    )
