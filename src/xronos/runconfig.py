@@ -140,7 +140,11 @@ class RunConfig:
     save_every: int | None = None
     """Checkpoint every N steps (0 = only at the end; default: spaced so that a lost device
     costs at most about a minute of training, from the step time measured in the first
-    steps; only the newest two of these checkpoints are kept)."""
+    steps; only the newest two of these checkpoints are kept unless --save-total-limit
+    says otherwise)."""
+    save_total_limit: int | None = None
+    """Keep only the newest N checkpoints, deleting older ones as new ones are written
+    (default: all with --save-every, the newest two with automatic spacing)."""
     max_new_tokens: int = 32
     """Generation budget per eval prompt."""
     out: str = ""
@@ -179,6 +183,11 @@ class RunConfig:
         for name in ("steps", "epochs", "eval_every", "save_every", "eval_size", "warmup_steps"):
             if (getattr(self, name) or 0) < 0:
                 raise UserError(f"--{_flag(name)} must be ≥ 0, got {getattr(self, name)}")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise UserError(
+                f"--save-total-limit must be ≥ 1 (the newest checkpoint is what a run "
+                f"resumes from), got {self.save_total_limit}"
+            )
         if self.lr_schedule not in LR_SCHEDULES:
             raise UserError(
                 f"--lr-schedule {self.lr_schedule!r}: unknown; use one of "

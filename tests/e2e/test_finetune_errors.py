@@ -113,3 +113,11 @@ def test_a_new_run_into_another_runs_directory_is_refused(
     code, err = _finetune(capsys, tmp_path, *quick, "--steps", "1")
     _one_line(code, err, f"--out {run}", "step 2", f"--resume {run}", "another --out")
     assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+
+
+def test_a_save_total_limit_below_one_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _finetune(capsys, tmp_path, "--save-total-limit", "0")
+    _one_line(code, err, "--save-total-limit", "≥ 1", "got 0")
+    assert not (tmp_path / "run").exists()

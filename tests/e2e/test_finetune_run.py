@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from xronos.checkpoint import complete_checkpoints
 from xronos.cli import main
 
 SMALL = [
@@ -219,3 +220,30 @@ def test_resume_of_an_incompatible_run_is_one_clear_line(
     assert code == 2, err
     assert len(err) == 1 and err[0].startswith("xronos: error: "), err
     assert "was written for full fine-tuning" in err[0] and "LoRA" in err[0], err
+
+
+@pytest.mark.slow
+def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path: Path) -> None:
+    """As Hugging Face's ``save_total_limit``: older checkpoints go as newer ones land, and
+    a resume continues from the newest and keeps the limit (it is in the run's config)."""
+    run = tmp_path / "run"
+    tiny = ["--model", "tiny", "--cluster", "ci-2dev", "--strategy", "tp-even", "--no-emulate"]
+    tiny += ["--eval-size", "0"]
+    _ok(
+        "finetune",
+        *tiny,
+        "--steps",
+        "5",
+        "--save-every",
+        "1",
+        "--save-total-limit",
+        "2",
+        "--out",
+        str(run),
+    )
+    assert [p.name for _, p in complete_checkpoints(run)] == ["step-00000004", "step-00000005"]
+    _ok("finetune", "--resume", str(run), "--steps", "7", "--no-emulate")
+    assert [p.name for _, p in complete_checkpoints(run)] == ["step-00000006", "step-00000007"]
+    # without a limit, --save-every keeps them all
+    _ok("finetune", *tiny, "--steps", "3", "--save-every", "1", "--out", str(tmp_path / "all"))
+    assert len(complete_checkpoints(tmp_path / "all")) == 3

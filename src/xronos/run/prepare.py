@@ -223,6 +223,7 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
         seed=cfg.seed,
         eval_every=cfg.eval_every,
         save_every=cfg.save_every,
+        keep=cfg.save_total_limit,
         run_dir=str(run_dir),
         rebalance=cfg.rebalance,
     )

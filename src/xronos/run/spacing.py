@@ -11,7 +11,8 @@ rank's median, agreed by every rank, since a save is collective)::
           |------|------|------|------|      ▼       ▼
           warm-up  timed: median → k = ⌊60 s / median⌋   checkpoints at multiples of k
 
-Only the newest :data:`KEEP` automatic checkpoints stay on disk.
+Only the newest :data:`KEEP` automatic checkpoints stay on disk (``--save-total-limit``
+sets how many checkpoints of either kind stay).
 """
 
 from __future__ import annotations

@@ -49,6 +49,9 @@ class FinetuneJob:
     save_every: int | None = 0
     """Checkpoint every N steps (0: only at the end; None: spaced by
     :class:`~xronos.run.spacing.CheckpointSpacing`)."""
+    keep: int | None = None
+    """Checkpoints kept (the newest; older ones deleted as new ones land); None: all with
+    ``save_every``, :data:`~xronos.run.spacing.KEEP` with automatic spacing."""
     run_dir: str | None = None
     """Where checkpoints go; None: no checkpoints (tests)."""
     resume: str | None = None
@@ -157,14 +160,16 @@ def _evaluate(ctx: WorkerContext, session: Session, spec: EvalSpec, when: str) -
         )
 
 
-def _save(ctx: WorkerContext, session: Session, job: FinetuneJob, prune: bool = False) -> str:
-    """Checkpoint ``session``; ``prune``: then keep only the newest :data:`KEEP`."""
+def _save(ctx: WorkerContext, session: Session, job: FinetuneJob, automatic: bool) -> str:
+    """Checkpoint ``session``, then keep only the newest ``job.keep`` (``automatic``
+    spacing and no limit given: :data:`KEEP`)."""
     assert job.run_dir is not None
     path = checkpoint_path(job.run_dir, session.steps_done)
     session.save(path, checkpoint_extra(job, session))
     if _lead(session):
-        if prune:
-            prune_checkpoints(job.run_dir, KEEP)
+        keep = job.keep if job.keep is not None else KEEP if automatic else None
+        if keep is not None:
+            prune_checkpoints(job.run_dir, keep)
         ctx.emit({"kind": "checkpoint", "step": session.steps_done, "path": str(path)})
     return str(path)
 
@@ -266,7 +271,7 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
         if not known and spacing.interval and _lead(session):
             ctx.emit({"kind": "spacing", "every": spacing.interval, "step_s": spacing.step_s})
         if due and more:
-            last[0] = _save(ctx, session, job, prune=spacing.automatic)
+            last[0] = _save(ctx, session, job, spacing.automatic)
         if job.eval_every and o.step % job.eval_every == 0 and more and not job.eval.empty:
             _evaluate(ctx, session, job.eval, "during")
         return stop
@@ -292,7 +297,7 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
         return WorkerResult(loop.steps, False, None, {}, loop.losses, loop.grad_norms)
     session = current[0]
     if job.run_dir:
-        last[0] = _save(ctx, session, job, prune=spacing.automatic)
+        last[0] = _save(ctx, session, job, spacing.automatic)
     if not loop.stopped and not job.eval.empty:
         _evaluate(ctx, session, job.eval, "after")
     state = session.gather_state() if job.return_state else None
