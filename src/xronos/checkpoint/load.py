@@ -236,7 +236,7 @@ def load_checkpoint(
                 if state:
                     optimizer.state[p] = state
         if optimizer is not None:
-            _restore_rng(reader, layouts, model, share.rank if share else group.rank)
+            _restore_rng(reader, layouts, model, share.rank if share is not None else group.rank)
     return Loaded(step=int(meta["step"]), extra=dict(meta.get("extra") or {}))
 
 

@@ -79,7 +79,6 @@ def save_checkpoint(
     Raises:
         UserError: the checkpoint could not be written (disk full, no permission).
     """
-    extra = json.loads(json.dumps(extra))  # fail early, on every rank alike, if not JSON
     local = collect(model, optimizer, cfg, plan, group.rank)
     meta = checkpoint_meta(
         step=step,
@@ -120,7 +119,7 @@ def checkpoint_meta(
         "lora": lora,
         "base": base,
         "optimizer": optimizer,
-        "extra": json.loads(json.dumps(extra)),
+        "extra": json.loads(json.dumps(extra)),  # fails alike on every rank if not JSON
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 

@@ -9,9 +9,7 @@ import torch
 import torch.distributed as dist
 
 from xronos.comm.mappings import TPGroup
-from xronos.model.llama import LlamaForCausalLM
-from xronos.model.lora import add_lora
-from xronos.parallel.shard import stage_holds
+from xronos.parallel.shard import build_meta, stage_holds
 from xronos.train.source import ModelSource
 
 
@@ -44,10 +42,7 @@ def gather_stages(
     fp32 vector from its leader and nothing is pickled.
     """
     cfg = source.cfg
-    with torch.device("meta"):
-        full = LlamaForCausalLM(cfg)
-        if source.lora is not None:
-            add_lora(full, source.lora, seed=source.seed)
+    full = build_meta(cfg, source.lora, source.seed)
     shapes = {n: p.shape for n, p in full.named_parameters() if p.requires_grad or not trained}
     last = len(ranges) - 1
     # last stage first: a tied matrix is the last stage's (the first stage's copy is only

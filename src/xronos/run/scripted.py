@@ -66,9 +66,11 @@ class AtStep:
         """Do it; whether it was done (False: try again at the next step)."""
         raise NotImplementedError
 
-    def running(self) -> dict[str, Any] | None:
-        """The device's row of ``devices.json`` while its worker runs, else None."""
-        for row in read_devices(self.run_dir).get("devices", []):
+    def running(self, table: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """The device's row of ``devices.json`` (``table``: as already read) while its
+        worker runs, else None."""
+        table = read_devices(self.run_dir) if table is None else table
+        for row in table.get("devices", []):
             if row.get("name") == self.device and isinstance(row.get("pid"), int):
                 return row  # type: ignore[no-any-return]
         return None
@@ -98,11 +100,12 @@ class Disturb(AtStep):
         inside the new limits; when the run loses the device, end it for good."""
         if not self.done or self.off:
             return
-        if self.device in read_devices(self.run_dir).get("lost", []):
+        table = read_devices(self.run_dir)
+        if self.device in table.get("lost", []):
             self.off = True  # switched off or lost: its programs end with it
             self.intruder.stop()
             return
-        row = self.running()
+        row = self.running(table)
         if row is None or row["pid"] == self.worker:
             return
         self.worker = row["pid"]
