@@ -105,6 +105,10 @@ class AutoChoice:
             )
         return min(feasible, key=lambda c: c.predicted_step_s)  # first of equals: simplest
 
+    def label(self, c: Candidate) -> str:
+        """``c`` as the table names it: ``pp-1f1b [slow -> fast]``."""
+        return f"{c.strategy} {_names(self.names, c)}"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "devices": list(self.names),
@@ -304,12 +308,17 @@ def pipeline_needs(
     ]
 
 
-def tied_rows_bytes(cfg: ModelConfig, profiles: Sequence[DeviceProfile], tokens: int) -> float:
-    """Bytes of the tied matrix's rows of one step's ``tokens`` (at most the vocabulary),
-    fp32; 0 when the matrix does not train (the profiles say: untied, or adapters)."""
+def stage_messages(
+    cfg: ModelConfig, profiles: Sequence[DeviceProfile], tokens: int, grad_accum: int
+) -> tuple[float, float]:
+    """What pipeline stages send, in bytes: one batch's activation (the profiled one in its
+    wire dtype, as profiles priced :func:`~xronos.planner.profile.on_the_wire` record it;
+    fp32 where they record no traffic), and the tied matrix's rows of a step's tokens (at
+    most the vocabulary, fp32; 0 when the matrix does not train: untied, or adapters)."""
+    act = activation_bytes(profiles) or 4.0 * tokens * cfg.hidden_size
     if not any(p.tied_grad_bytes for p in profiles):
-        return 0.0
-    return 4.0 * min(cfg.vocab_size, tokens) * cfg.hidden_size
+        return act, 0.0
+    return act, 4.0 * min(cfg.vocab_size, tokens * grad_accum) * cfg.hidden_size
 
 
 def _short_of_memory(members: Sequence[DeviceProfile], needs: Sequence[int]) -> str:
@@ -371,18 +380,17 @@ def plan_auto(
         "mlp_chunk": mlp_chunk or default_mlp_chunk(cfg.intermediate_size),
         "vocab_chunk": vocab_chunk or default_vocab_chunk(cfg.vocab_size),
     }
+    act_bytes, tied_bytes = stage_messages(cfg, profiles, batch_size * seq_len, grad_accum)
     job = _Job(
         cfg=cfg,
         profiles=profiles,
         totals=segment_units(cfg, chunks["mlp_chunk"], chunks["vocab_chunk"]),
         batch_size=batch_size,
         grad_accum=grad_accum,
-        # what a stage sends: the profiled activation in its wire dtype (profiles priced
-        # on_the_wire halve it for bf16), fp32 where the profiles record no traffic
-        act_bytes=activation_bytes(profiles) or 4.0 * batch_size * seq_len * cfg.hidden_size,
+        act_bytes=act_bytes,
         tp_kwargs={**chunks, "replicated_share": replicated_share},
         max_permuted=max_permuted,
-        tied_bytes=tied_rows_bytes(cfg, profiles, batch_size * seq_len * grad_accum),
+        tied_bytes=tied_bytes,
     )
     candidates = job.singles()
     if len(profiles) > 1:

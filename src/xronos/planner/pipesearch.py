@@ -220,6 +220,25 @@ def search_pipeline(
     return best
 
 
+def priced(
+    plan: PipelinePlan,
+    devices: Sequence[StageDevice],
+    *,
+    batch_size: int,
+    grad_accum: int,
+    act_bytes: float,
+    tied_bytes: float = 0.0,
+) -> float:
+    """The step :func:`search_pipeline` predicts for ``plan`` (its order, layer split and
+    micro-batches kept) on ``devices``, which name its stages' devices (other costs than
+    those it was planned with: a device that slowed, say)."""
+    by_name = {d.costs.name: d for d in devices}
+    staged = [by_name[name] for name in plan.devices]
+    tied = send_s(staged[0], staged[-1], tied_bytes, 1.0) if tied_bytes else 0.0
+    update = update_s(plan, [d.costs for d in staged])  # once a step, whatever the cut
+    return schedule_s(plan, staged, batch_size, grad_accum, act_bytes) + tied + update
+
+
 def schedule_s(
     plan: PipelinePlan,
     staged: Sequence[StageDevice],

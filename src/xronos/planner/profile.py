@@ -188,6 +188,26 @@ def load_profiles(path: str) -> tuple[list[DeviceProfile], dict[str, Any]]:
     return devices, data
 
 
+def slowed(p: DeviceProfile, factor: float) -> DeviceProfile:
+    """``p`` on a device whose computing takes ``factor`` times as long as when it was
+    profiled (another program took part of its CPU, or left it): every compute time
+    scaled, its links, memory and the barrier's measured wait as they were."""
+
+    def times(d: Mapping[str, float]) -> dict[str, float]:
+        return {k: v * factor for k, v in d.items()}
+
+    return replace(
+        p,
+        segments={k: CostCurve(c.a * factor, c.b * factor) for k, c in p.segments.items()},
+        replicated_s=p.replicated_s * factor,
+        replicated_split=times(p.replicated_split),
+        split_s=times(p.split_s),
+        embed_s=p.embed_s * factor,
+        embed_split_s=p.embed_split_s * factor,
+        update_s=times(p.update_s),
+    )
+
+
 def on_the_wire(profiles: Sequence[DeviceProfile], element_size: int) -> list[DeviceProfile]:
     """``profiles`` with the activation all-reduces of their traffic sent in elements of
     ``element_size`` bytes (2: ``--comm-dtype bf16``) instead of fp32's 4; other
