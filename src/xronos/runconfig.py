@@ -169,9 +169,10 @@ class RunConfig:
     """Emulation: after step N a device the run lost comes back (DEVICE@N, as
     `xronos join RUN_DIR DEVICE` would ask)."""
     rebalance: bool = True
-    """Re-plan live when a device's speed changes for good (another program starts on it,
-    it throttles) and move the units between two steps, when the move pays for itself
-    (strategy xronos; --no-rebalance keeps the first plan)."""
+    """Re-plan when a device's speed changes for good (another program starts on it, it
+    throttles), when that pays for itself: a xronos run moves its units between two
+    steps; a pipeline starts again from a checkpoint, profiled and planned anew
+    (--no-rebalance keeps the first plan)."""
     tensorboard: bool = False
     """Also write TensorBoard event files (needs the tensorboard package)."""
 

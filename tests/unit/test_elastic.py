@@ -22,6 +22,7 @@ from xronos.run import elastic
 from xronos.run.membership import request_join
 from xronos.run.monitor import RunMonitor
 from xronos.run.opening import SessionSpec
+from xronos.run.worker import WorkerResult
 from xronos.train.batches import RandomBatches
 from xronos.train.optim import OptimConfig
 from xronos.train.session import Strategy
@@ -92,15 +93,21 @@ def _events(run: Path) -> list[dict[str, Any]]:
     return [r for r in rows if "event" in r]
 
 
+DONE = WorkerResult(10, False, None, {}, [], [], members=(0,))
+"""What every worker returns at the run's end (the fake's ``"done"``)."""
+
+
 def _script(
     monkeypatch: pytest.MonkeyPatch,
     outcomes: list[BaseException | str],
     monitor: RunMonitor | None = None,
-) -> None:
+) -> list[list[str]]:
     """launch_job gives ``outcomes`` in turn (``"join"``: a lost device asks to come back
-    after a step; the workers stop); a survivor's job resumes from step 4, a job with a
-    device back from step 9."""
+    after a step, the workers stop; ``"restage"``: the workers stopped to start again);
+    a survivor's job resumes from step 4, one started again from step 9. Returns the
+    devices given to each ``rejoined``."""
     calls = iter(outcomes)
+    rejoins: list[list[str]] = []
 
     def launch_job(prep: Any, on_event: Any, stop_when: Any, lost: Any) -> list[Any]:
         out = next(calls)
@@ -124,21 +131,24 @@ def _script(
             assert monitor is not None
             monitor.last_step += 1  # a step done
             assert stop_when()
-            return [SimpleNamespace(stopped=True, members=(0,))]  # the run stopped to take it
-        return [out]
+            return [WorkerResult(5, True, None, {}, [], [], members=(0,))]  # to take it back
+        if out == "restage":
+            return [WorkerResult(6, True, None, {}, [], [], members=(0,), restaged=True)]
+        return [DONE]
 
     def survivors(prep: Any, rank: int, known: Any) -> tuple[Any, int]:
         devices = tuple(d for r, d in enumerate(prep.cluster.devices) if r != rank)
         return SimpleNamespace(**{**vars(prep), "cluster": ClusterSpec("test", devices)}), 4
 
     def rejoined(first: Any, prep: Any, back: list[str]) -> tuple[Any, int]:
-        assert back == ["slow"]
+        rejoins.append(back)
         return first, 9
 
     monkeypatch.setattr(elastic, "launch_job", launch_job)
     monkeypatch.setattr(elastic, "survivors", survivors)
     monkeypatch.setattr(elastic, "rejoined", rejoined)
     monkeypatch.setattr(elastic, "known_profiles", lambda prep, monitor: {})
+    return rejoins
 
 
 def _monitor(run: Path, last_step: int) -> RunMonitor:
@@ -153,12 +163,13 @@ def test_a_lost_device_that_asks_back_is_taken_back(
     (tmp_path / "config.json").write_text("{}")
     monitor = _monitor(tmp_path, 7)
     lost = DeviceLost("slow", 1, "died: killed by SIGKILL")
-    _script(monkeypatch, [lost, "join", "done"], monitor)
+    rejoins = _script(monkeypatch, [lost, "join", "done"], monitor)
     # request_join looks for a live worker in devices.json: this process stands for one
     rows = [{"name": "fast", "rank": 0, "pid": os.getpid()}]
     (tmp_path / "devices.json").write_text(json.dumps({"devices": rows, "lost": ["slow"]}))
     results, prep = elastic.launch_elastic(_prep(tmp_path, "fast", "slow"), monitor)
-    assert results == ["done"] and [d.name for d in prep.cluster.devices] == ["fast", "slow"]
+    assert results == [DONE] and [d.name for d in prep.cluster.devices] == ["fast", "slow"]
+    assert rejoins == [["slow"]]
     kinds = [(e["event"], e["step"]) for e in _events(tmp_path)]
     assert kinds == [("device_lost", 7), ("resumed", 4), ("device_joined", 9), ("resumed", 9)]
     joined, resumed = _events(tmp_path)[2:]
@@ -173,7 +184,7 @@ def test_events_of_a_loss_and_the_resumption(
     monitor = _monitor(tmp_path, 7)
     results, prep = elastic.launch_elastic(_prep(tmp_path, "fast", "slow"), monitor)
     monitor.finish(10)
-    assert results == ["done"] and [d.name for d in prep.cluster.devices] == ["fast"]
+    assert results == [DONE] and [d.name for d in prep.cluster.devices] == ["fast"]
     lost, resumed = _events(tmp_path)
     assert lost == {
         "event": "device_lost",
@@ -191,6 +202,34 @@ def test_events_of_a_loss_and_the_resumption(
     }
     summary = (tmp_path / "summary.md").read_text()
     assert "device lost at step 7" in summary and "resumed at step 4" in summary
+
+
+def test_a_pipeline_that_stopped_to_plan_again_starts_again_on_its_devices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rejoins = _script(monkeypatch, ["restage", "done"])
+    monitor = _monitor(tmp_path, 6)
+    results, _ = elastic.launch_elastic(_prep(tmp_path, "fast", "slow"), monitor)
+    assert results == [DONE] and rejoins == [[]]  # the same devices, no one back
+    [resumed] = _events(tmp_path)
+    assert resumed["event"] == "resumed" and resumed["step"] == 9
+    assert resumed["recomputed_steps"] == 0  # the checkpoint of the step it stopped at
+
+
+def test_a_run_started_again_caches_its_first_starts_profiles(tmp_path: Path) -> None:
+    # a pipeline started again because a device slowed: the new start's profiles met the
+    # slowed device, so the next run must not plan from them; the elastic paths read the
+    # newest (what the devices run at now)
+    monitor = _monitor(tmp_path, 0)
+    plan = {"devices": ["fast", "slow"], "layer_ranges": [[0, 3], [3, 4]]}
+    plan |= {"predicted_stage_s": [], "num_microbatches": 2}
+    for speed in (0.4, 0.2):
+        measured = [{"name": "slow", "speed": speed}]
+        monitor.on_event(
+            0, {"kind": "pipeline", "plan": plan, "strategy": "pp-1f1b", "measured": measured}
+        )
+    assert monitor.first_measured == [{"name": "slow", "speed": 0.4}]
+    assert monitor.measured == [{"name": "slow", "speed": 0.2}]
 
 
 def test_survivors_that_cannot_hold_the_model_stop_with_one_line(

@@ -87,11 +87,11 @@ def run(args: argparse.Namespace) -> int:
         script.stop()
     result = lead_result(results)
     summary = monitor.finish(result.step)
-    if monitor.measured and not prep.job.profiles.cached:  # the next run skips profiling
+    if monitor.first_measured and not prep.job.profiles.cached:  # the next run skips profiling
         from xronos.planner.profile import DeviceProfile
         from xronos.profiler.run import store_cached
 
-        store_cached([DeviceProfile.from_dict(p) for p in monitor.measured])
+        store_cached([DeviceProfile.from_dict(p) for p in monitor.first_measured])
     print()
     print(summary)
     if result.stopped:

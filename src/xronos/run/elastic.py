@@ -83,7 +83,12 @@ def launch_elastic(prep: Prepared, monitor: RunMonitor) -> tuple[list[Any], Prep
                 f"after losing {', '.join(repr(d) for d in joins.lost)}, the remaining devices "
                 f"cannot carry on: {e}"
             ) from None
-        if not (joins.asked and lead_result(results).stopped):
+        lead = lead_result(results)
+        if lead.restaged:  # a pipeline's device changed speed: plan again over the same
+            prep, start = rejoined(first, prep, [])
+            monitor.resuming(start, monitor.last_step)
+            continue
+        if not (joins.asked and lead.stopped):
             return results, prep
         back = joins.take()
         prep, start = rejoined(first, prep, back)

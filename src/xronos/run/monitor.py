@@ -54,7 +54,8 @@ class RunMonitor:
         self.profiles: list[dict[str, Any]] = []
         """The devices' calibrated profiles, when this run planned from profiles."""
         self.measured: list[dict[str, Any]] = []
-        """The devices' profiles as measured (before calibration): what the cache keeps."""
+        """The devices' profiles as measured (before calibration) at the latest start."""
+        self.first_measured: list[dict[str, Any]] = []  # the first start's: the cache keeps it
         self.plan_s: float | None = None
         self.devices: list[str] = []
         self.checkpoint: str | None = None
@@ -133,10 +134,12 @@ class RunMonitor:
 
     def on_event(self, rank: int, ev: dict[str, Any]) -> None:
         kind = ev.get("kind")
+        if kind in ("plan", "pipeline"):
+            self.measured = ev.get("measured", [])
+            self.first_measured = self.first_measured or self.measured
         if kind == "plan":
             self.plan, self.plan_s = Plan.from_dict(ev["plan"]), ev["seconds"]
             self.profiles = ev.get("profiles", [])
-            self.measured = ev.get("measured", [])
             if ev.get("given"):
                 how = f"{self.plan.strategy}, given"
             else:
@@ -146,10 +149,9 @@ class RunMonitor:
             atomic_write_text(self.run_dir / "plan.json", self.plan.to_json())
             self._resumed(self.plan.strategy, list(self.plan.devices))
         elif kind == "pipeline":
-            from xronos.planner import PipelinePlan
             from xronos.planner.hybrid import HybridPlan
+            from xronos.planner.pipeline import PipelinePlan
 
-            self.measured = ev.get("measured", [])
             if "groups" in ev["plan"]:  # a hybrid: stages, one of them tensor-parallel
                 hybrid = HybridPlan.from_dict(ev["plan"])
                 self.say(f"hybrid stages:\n{hybrid.table()}")
@@ -174,6 +176,10 @@ class RunMonitor:
         elif kind == "rebalance_held":
             self.event("replan_held", ev["step"], reason=ev["reason"])
             self.say(f"step {ev['step']}: a better plan was found, but {ev['reason']}; kept")
+        elif kind == "restage":  # a pipeline starts again (xronos.run.restage)
+            keys = ("relative", "now_s", "best", "best_s", "saving_s", "restart_s")
+            self.event("restage", ev["step"], **{k: ev[k] for k in keys})
+            self.say(f"step {ev['step']}: {_event_text({'event': 'restage', **ev})}")
         elif kind == "io_restored":
             self.event("io_threads_restored", ev["step"], device=ev["device"])
             self.say(
@@ -371,6 +377,10 @@ def _event_text(e: dict[str, Any]) -> str:
         return f"{e['reason']} in {e['move_s']:.1f} s"
     if e["event"] == "replan_held":
         return f"a better plan was found, but {e['reason']}; kept the plan"
+    if e["event"] == "restage":
+        speeds = ", ".join(f"{d} ×{r:.2f}" for d, r in e["relative"].items())
+        best = f"{e['best']} predicted at {e['best_s']:.3f} s a step"
+        return f"compute against the others' {speeds}; {best}, now {e['now_s']:.3f}: planned again"
     if e["event"] == "io_threads_restored":
         return f"another program took {e['device']}'s CPU; its I/O threads are back to normal"
     return (

@@ -100,27 +100,36 @@ class SpeedWatch:
     balance_due: bool = True
     """The first plan's balance is still to be checked against its baseline."""
 
-    def observe(self, plan: Plan, times: list[dict[str, float]]) -> None:
-        """One step: every device's compute seconds per segment (rank order)."""
+    def observe(self, plan: Plan | None, times: list[dict[str, float]]) -> None:
+        """One step: every device's compute seconds per segment (rank order) under
+        ``plan`` (None: not a tensor-parallel plan, kept for no refit)."""
         self.steps += 1
         if self.steps <= WARMUP:
             return
         self.recent.append([sum(t.values()) for t in times])
-        self.rounds.append(Round(plan, times))
+        if plan is not None:
+            self.rounds.append(Round(plan, times))
         while len(self.recent) > self.window:
             self.recent.popleft()
+        while len(self.rounds) > self.window:
             self.rounds.popleft()
         if self.baseline is None and len(self.recent) == self.window:
             self.baseline = _medians(self.recent)
 
-    def changed(self) -> list[float] | None:
-        """Each device's factor (compute now over its baseline) relative to the median factor
-        of the other devices, when some device has moved by more than the threshold; else
-        None."""
-        if self.baseline is None or self.steps < self.cooldown or len(self.recent) < self.window:
+    def factors(self, last: int | None = None) -> list[float] | None:
+        """Each device's compute now (the median of the recent window, or of its ``last``
+        steps) over its baseline; None until both are in."""
+        if self.baseline is None or len(self.recent) < self.window:
             return None
-        now = _medians(self.recent)
-        factors = [n / b if b > 0 else 1.0 for n, b in zip(now, self.baseline, strict=True)]
+        now = _medians(deque(list(self.recent)[-(last or self.window) :]))
+        return [n / b if b > 0 else 1.0 for n, b in zip(now, self.baseline, strict=True)]
+
+    def changed(self) -> list[float] | None:
+        """Each device's factor (:meth:`factors`) relative to the median factor of the other
+        devices, when some device has moved by more than the threshold; else None."""
+        factors = self.factors()
+        if factors is None or self.steps < self.cooldown:
+            return None
         relative = [
             f / statistics.median(factors[:i] + factors[i + 1 :]) for i, f in enumerate(factors)
         ]

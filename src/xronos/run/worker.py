@@ -23,8 +23,10 @@ from xronos.comm.mappings import TPGroup
 from xronos.errors import UserError
 from xronos.metrics.recorder import SpanRecorder
 from xronos.metrics.records import StepRecord
+from xronos.pipeline.session import PipelineSession
 from xronos.run.opening import Opened, SessionSpec
 from xronos.run.rebalance import Rebalancer
+from xronos.run.restage import Restager, forecaster
 from xronos.run.sessions import Profiles, ProfileSource, open_session
 from xronos.run.spacing import KEEP, CheckpointSpacing
 from xronos.train.batches import StepSource
@@ -81,6 +83,8 @@ class WorkerResult:
     records: list[list[StepRecord]] = field(default_factory=list)
     members: tuple[int, ...] = ()
     """The ranks that trained (``auto`` may leave devices out); empty on those left out."""
+    restaged: bool = False
+    """Stopped to start again, profiled and planned anew (:mod:`xronos.run.restage`)."""
 
 
 def lead_result(results: list[WorkerResult]) -> WorkerResult:
@@ -223,6 +227,24 @@ def _rebalancer(
     )
 
 
+def _restager(
+    ctx: WorkerContext, job: FinetuneJob, opened: Opened, session: Session, profiles: Profiles
+) -> Restager | None:
+    """Starting a pipeline again when a device's speed changes for good and the planner
+    says a new plan pays: a pipeline planned from profiles (not given, not a hybrid) on the
+    local launcher alone (it starts the job again), with a run directory for the
+    checkpoint."""
+    spec = job.session
+    if not isinstance(session, PipelineSession) or session.group.size == 1:
+        return None
+    if session.hybrid is not None or opened.given or profiles.measured is None:
+        return None
+    if not (job.rebalance and job.record and job.run_dir) or spec.anchor is not None:
+        return None
+    seen = forecaster(spec, profiles.usable(), session.pplan)
+    return Restager(session.runner.names, seen, job.steps, opened.seconds, ctx.emit)
+
+
 def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     """Open the strategy's session, train ``job.steps`` steps with the one loop, evaluate
     and checkpoint as asked; every rank returns the same result."""
@@ -243,6 +265,8 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     spacing = CheckpointSpacing(job.save_every if job.run_dir else 0)
 
     current: list[Session] = [session]  # a move to a new plan replaces it
+    restager = _restager(ctx, job, opened, session, profiles)
+    restaged = [False]  # stopped to start again (a pipeline's device changed speed)
     told = [False]  # this device's I/O threads went back to the normal class
 
     def after_step(o: StepOutcome) -> bool:
@@ -265,6 +289,11 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
                 }
             )
         stop = _agree_stop(session.group)
+        if restager is not None and isinstance(session, PipelineSession):
+            # collective: every rank calls it
+            again = restager.after(session.steps_done, session.group, o.records)
+            restaged[0] = again and not stop  # a stop asked for (Ctrl-C, a join) wins
+            stop = stop or again
         more = o.step < job.steps
         known = spacing.interval is not None
         due = spacing.due(o.step, _agree_max(session.group))
@@ -312,4 +341,5 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
         state=state,
         records=kept,
         members=session.group.world_ranks(),  # fewer where devices were released
+        restaged=restaged[0],
     )

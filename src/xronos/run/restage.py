@@ -1,0 +1,155 @@
+"""A pipeline whose device changed speed for good starts again, profiled and planned anew,
+when the planner says that pays.
+
+::
+
+    every step's records ─► SpeedWatch: each device's compute, baseline vs recent window
+    a persistent change  ─► forecast: the profiles slowed by the observed factors, the
+                            running plan priced and the best candidate planned
+    pays for itself?     ─► every rank stops after the step and writes a checkpoint; the
+                            launcher starts the job again on the same devices (profiles,
+                            plan, resume)
+
+Live re-balancing (:mod:`xronos.run.rebalance`) moves a tensor-parallel run's units between
+two steps. A pipeline's units are whole layers on stages whose order, memory and
+micro-batches come from a search over the devices; rather than move layers between live
+stages, the run takes the path of a returning device (:func:`xronos.run.elastic.rejoined`):
+every device profiled anew, the run's strategy planned anew over them (a pipeline may give
+the slowed device fewer layers or another place; ``auto`` may pick another strategy), the
+checkpoint resumed (every strategy reads every other's). Only under the local launcher
+(``xronos finetune``, which starts the job again); a run under torchrun keeps its plan, as
+does a hybrid (its tensor-parallel stage is not priced here).
+
+**When.** The same watch as live re-balancing: each device's compute per step, a baseline
+over :data:`~xronos.run.rebalance.WINDOW` steps after the start, a recent window of as
+many; only a change of one device against the others by more than the threshold counts.
+The forecast scales each device by the median of the newer half of its window over its
+baseline (the window's median moves once half of it holds the new speed).
+
+**Pays for itself.** The planner prices the running pipeline and plans the best candidate
+with every device's profile scaled by its observed factor (:func:`xronos.planner.replan.
+forecast`). The saving is the measured step times the fraction the forecast saves; the run
+starts again when the saving over the steps left exceeds twice a restart's cost: this
+start's profiling and planning plus :data:`~xronos.run.rebalance.FIRST_MOVE_STEPS` steps
+(the checkpoint, the workers' start). A change that does not pay becomes the new baseline.
+A pipeline of four layers whose slow device holds one already has no better split to go
+to, and stays as it is.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from xronos.comm.mappings import TPGroup
+from xronos.metrics.records import StepRecord
+from xronos.planner.pipeline import PipelinePlan
+from xronos.planner.profile import DeviceProfile, on_the_wire
+from xronos.planner.replan import Forecast, forecast
+from xronos.run.opening import SessionSpec, wire_bytes
+from xronos.run.rebalance import CHECK_EVERY, FIRST_MOVE_STEPS, WARMUP, SpeedWatch
+from xronos.train.session import Strategy
+
+Forecaster = Callable[[Mapping[str, float]], Forecast]
+"""Per device name its compute factor → the running plan and the best one, predicted."""
+
+
+def forecaster(
+    spec: SessionSpec, profiles: Sequence[DeviceProfile], running: PipelinePlan
+) -> Forecaster:
+    """The planner's verdict for the run of ``spec``, planned from ``profiles`` (every
+    device's, rank order, as measured), now running ``running``: among every strategy for
+    an ``auto`` run, among pipelines for a pipeline run."""
+    shape = spec.shape
+    priced = on_the_wire(profiles, wire_bytes(spec.comm_dtype))
+    only = None if spec.strategy is Strategy.AUTO else "pp-1f1b"
+
+    def seen(factors: Mapping[str, float]) -> Forecast:
+        return forecast(
+            shape.cfg,
+            priced,
+            running,
+            factors,
+            batch_size=shape.batch_size,
+            seq_len=shape.seq_len,
+            grad_accum=spec.grad_accum,
+            mlp_chunk=shape.mlp_chunk,
+            vocab_chunk=shape.vocab_chunk,
+            only=only,
+        )
+
+    return seen
+
+
+def device_compute(records: Sequence[StepRecord], devices: Sequence[str]) -> list[float]:
+    """Each of ``devices``' compute seconds in one step (their records' compute spans)."""
+    by_name = {r.device: sum(c.end - c.start for c in r.computes) for r in records}
+    return [by_name.get(d, 0.0) for d in devices]
+
+
+class Restager:
+    """Whether a pipeline run should start again (see the module docstring)."""
+
+    def __init__(
+        self,
+        devices: Sequence[str],
+        forecast: Forecaster,
+        steps: int,
+        opened_s: float,
+        emit: Callable[[dict[str, Any]], None],
+    ) -> None:
+        """``devices``: the pipeline's, in its group's rank order; ``forecast``: the
+        planner's verdict at given speeds (:func:`xronos.planner.replan.forecast`, bound to
+        the run); ``steps``: the run's total; ``opened_s``: what this start's profiling and
+        planning took; ``emit``: the worker's event channel (rank 0 speaks)."""
+        self.devices, self.forecast = list(devices), forecast
+        self.steps, self.opened_s, self.emit = steps, opened_s, emit
+        self.watch = SpeedWatch()
+        self.durations: list[float] = []
+
+    def after(self, step: int, group: TPGroup, records: Sequence[StepRecord]) -> bool:
+        """Observe step ``step`` (steps done); True, on every rank of ``group`` alike, when
+        the run should stop with a checkpoint and start again (collective every
+        :data:`~xronos.run.rebalance.CHECK_EVERY` steps)."""
+        if not records:
+            return False
+        compute = device_compute(records, self.devices)
+        self.watch.observe(None, [{"compute": c} for c in compute])
+        if self.watch.steps > WARMUP:
+            self.durations.append(max(r.duration for r in records))
+        if step % CHECK_EVERY or step >= self.steps:
+            return False
+        offer = self._offer(step) if group.rank == 0 else None
+        agreed = group.gather_object(offer)[0]  # rank 0's decision stands
+        if agreed is None:
+            return False
+        if not agreed["pays"]:  # the new speeds are the baseline now
+            self.watch.restart()
+            return False
+        if group.rank == 0:
+            self.emit({"kind": "restage", **agreed})
+        return True
+
+    def _offer(self, step: int) -> dict[str, Any] | None:
+        relative = self.watch.changed()
+        # the change shows in the window's median once it holds half the window; the
+        # newer half's median is the speed the devices run at now
+        factors = self.watch.factors(last=self.watch.window // 2)
+        if relative is None or factors is None:
+            return None
+        seen = self.forecast(dict(zip(self.devices, factors, strict=True)))
+        step_s = statistics.median(self.durations[-len(self.watch.recent) :])
+        saving = step_s * seen.gain
+        restart = self.opened_s + FIRST_MOVE_STEPS * step_s
+        left = self.steps - step
+        return {
+            "step": step,
+            "relative": dict(zip(self.devices, relative, strict=True)),
+            "now_s": seen.now_s,
+            "best_s": seen.best_s,
+            "best": seen.best,
+            "saving_s": saving,
+            "restart_s": restart,
+            "pays": saving * left > 2.0 * restart,
+        }
