@@ -12,9 +12,15 @@ from xronos.config import small
 from xronos.planner import SEGMENTS
 from xronos.planner.auto import plan_auto, stage_messages
 from xronos.planner.pipeline import PipelinePlan
-from xronos.planner.pipesearch import device_stages, priced, search_pipeline
+from xronos.planner.pipesearch import (
+    device_stages,
+    priced,
+    search_pipeline,
+    stage_compute_s,
+    stage_costs_for,
+)
 from xronos.planner.profile import DeviceProfile, slowed
-from xronos.planner.replan import Forecast, forecast
+from xronos.planner.replan import Forecast, Replanner
 
 from .test_planner_auto import GBIT, B, S, profile
 
@@ -41,10 +47,21 @@ def _running(ps: list[DeviceProfile]) -> PipelinePlan:
     return c.plan
 
 
-def _forecast(ps: list[DeviceProfile], factors: dict[str, float], only: str | None) -> Forecast:
-    return forecast(
-        CFG, ps, _running(ps), factors, batch_size=B, seq_len=S, grad_accum=1, only=only, **CHUNKS
+def _planner(ps: list[DeviceProfile], only: str | None) -> Replanner:
+    return Replanner(
+        cfg=CFG,
+        profiles=ps,
+        running=_running(ps),
+        batch_size=B,
+        seq_len=S,
+        grad_accum=1,
+        only=only,
+        **CHUNKS,
     )
+
+
+def _forecast(ps: list[DeviceProfile], factors: dict[str, float], only: str | None) -> Forecast:
+    return _planner(ps, only).forecast(factors)
 
 
 def test_a_slowed_profile_computes_everything_that_much_slower_and_sends_as_fast() -> None:
@@ -91,3 +108,32 @@ def test_a_slowed_device_gets_fewer_layers_or_the_fast_one_runs_alone() -> None:
     # an auto run may leave the pipeline for the fast device alone
     alone = _forecast(ps, {"slow": 20.0}, None)
     assert alone.best == "single [fast]" and alone.gain > seen.gain
+
+
+def test_each_stage_is_predicted_to_compute_its_micro_batches_without_sends() -> None:
+    ps = _profiles()
+    planner = _planner(ps, "pp-1f1b")
+    running = planner.running
+    got = planner.compute_s()
+    assert set(got) == set(running.devices)
+    # B divides into equal micro-batches: each stage computes m of them, the first stage
+    # without its sends to the next (the runtime records those apart)
+    m = running.num_microbatches
+    assert B % m == 0
+    devices = device_stages(ps, CFG, **CHUNKS)
+    act, _ = stage_messages(CFG, ps, B * S, 1)
+    by_name = {d.costs.name: d for d in devices}
+    staged = [by_name[n] for n in running.devices]
+    costs = stage_costs_for(staged, fraction=1 / m, act_bytes=act)
+    (a, b), (c, d) = running.layer_ranges
+    first = costs[0].stage_s(b - a, first=True, last=False) - costs[0].send_s
+    assert costs[0].send_s > 0 and got[running.devices[0]] == pytest.approx(m * first)
+    last = costs[1].stage_s(d - c, first=False, last=True)
+    assert got[running.devices[1]] == pytest.approx(m * last)
+    # a device that computes twice as slowly is predicted to compute twice as long
+    slow = _planner([ps[0], slowed(ps[1], 2.0)], "pp-1f1b")
+    slow = dataclasses.replace(slow, running=running)
+    assert slow.compute_s()["slow"] == pytest.approx(2 * got["slow"])
+    assert slow.compute_s()["fast"] == pytest.approx(got["fast"])
+    again = stage_compute_s(running, devices, batch_size=B, grad_accum=1, act_bytes=act)
+    assert again == pytest.approx(got)

@@ -1,6 +1,7 @@
 """When a pipeline starts again: the speed watch on each device's compute, the planner's
-forecast at the observed speeds, and whether a restart pays for itself (the decision alone;
-tests/e2e/test_restage.py runs one)."""
+forecast at the observed speeds (or at the first steps' against the plan's prediction), and
+whether a restart pays for itself. The decision alone; the restart is the returning
+device's path (tests/unit/test_elastic.py, tests/e2e/test_device_lost.py)."""
 
 from __future__ import annotations
 
@@ -40,13 +41,17 @@ def test_each_device_computes_the_sum_of_its_spans() -> None:
 
 
 class Planner:
-    """A forecaster: the running plan's step grows with the slow device's factor, the best
-    plan's with a third of it; it keeps every factor it was asked about."""
+    """The planner's view: each device predicted to compute 0.3 s a step; the running
+    plan's step grows with the slow device's factor against the fast one's, the best
+    plan's by a third of that; it keeps every factor it was asked about."""
 
     def __init__(self) -> None:
         self.asked: list[dict[str, float]] = []
 
-    def __call__(self, factors: Mapping[str, float]) -> Forecast:
+    def compute_s(self) -> dict[str, float]:
+        return {"fast": 0.3, "slow": 0.3}
+
+    def forecast(self, factors: Mapping[str, float]) -> Forecast:
         self.asked.append(dict(factors))
         slow = factors["slow"] / factors["fast"]
         return Forecast(0.3 * slow, 0.3 * (1 + (slow - 1) / 3), "pp-1f1b [slow -> fast]")
@@ -60,7 +65,7 @@ def _run(
     what it emitted, and what the planner was asked."""
     said: list[dict[str, Any]] = []
     planner = Planner()
-    watch = Restager(["fast", "slow"], planner, steps, opened_s, said.append)
+    watch = Restager(["fast", "slow"], planner, steps, opened_s, said.append, balance=False)
     for step in range(1, steps + 1):
         slow = 0.3 * (slow_after if step > 40 else 1.0)
         if watch.after(step, TPGroup(), _records(step, {"fast": 0.3, "slow": slow})):
@@ -98,11 +103,44 @@ def test_no_restart_that_does_not_pay_nor_for_noise() -> None:
 def test_a_change_the_planner_cannot_use_keeps_the_plan() -> None:
     said: list[dict[str, Any]] = []
 
-    def same(factors: Mapping[str, float]) -> Forecast:  # no better plan at any speed
-        return Forecast(0.6, 0.6, "pp-1f1b [slow -> fast]")
+    class Same(Planner):  # no better plan at any speed
+        def forecast(self, factors: Mapping[str, float]) -> Forecast:
+            return Forecast(0.6, 0.6, "pp-1f1b [slow -> fast]")
 
-    watch = Restager(["fast", "slow"], same, 400, 1.0, said.append)
+    watch = Restager(["fast", "slow"], Same(), 400, 1.0, said.append)
     for step in range(1, 401):
         slow = 0.3 * (3.0 if step > 40 else 1.0)
         assert not watch.after(step, TPGroup(), _records(step, {"fast": 0.3, "slow": slow}))
     assert said == []
+
+
+def _first_steps(
+    slow: float, balance: bool = True, steps: int = 400
+) -> tuple[int | None, list[dict[str, Any]]]:
+    """A pipeline whose slow device computes ``slow`` s a step from its first step, where
+    the plan predicted 0.3 s on both: the step at which the run starts again, and what it
+    emitted."""
+    said: list[dict[str, Any]] = []
+    watch = Restager(["fast", "slow"], Planner(), steps, 5.0, said.append, balance=balance)
+    for step in range(1, 41):
+        if watch.after(step, TPGroup(), _records(step, {"fast": 0.3, "slow": slow})):
+            return step, said
+    return None, said
+
+
+def test_a_first_plan_out_of_balance_with_its_prediction_starts_again_at_once() -> None:
+    # the baseline is in after 2 + 8 steps; the first agreement after it is at step 12
+    step, said = _first_steps(0.45)
+    [ev] = said
+    assert step == 12 and ev["why"] == "balance" and ev["pays"]
+    # its compute over its prediction: the slow device 1.5, the fast one 1
+    assert ev["relative"] == pytest.approx({"fast": 1.0, "slow": 1.5})
+    assert (ev["now_s"], ev["best_s"]) == pytest.approx((0.45, 0.35))
+
+
+def test_the_balance_check_needs_a_real_gain_and_a_first_start() -> None:
+    # 3 % slower than predicted: the best plan would save 2 %, under BALANCE_GAIN, though
+    # over a million steps it would pay for the restart
+    assert _first_steps(0.309, steps=10**6) == (None, [])
+    # a start after a restart (resumed) does not check its first plan again
+    assert _first_steps(0.45, balance=False) == (None, [])

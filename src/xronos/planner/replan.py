@@ -4,7 +4,7 @@ A pipeline's units are whole layers on stages whose order, memory and micro-batc
 from a search (:mod:`xronos.planner.pipesearch`), so it is not moved live as a tensor-
 parallel split is; it starts again, planned anew (:mod:`xronos.run.restage`). Whether that
 pays is the planner's to say, from the profiles the run was planned with, each device's
-compute scaled by how much slower (or faster) it now runs (:func:`forecast`):
+compute scaled by how much slower (or faster) it now runs (:meth:`Replanner.forecast`):
 
     profiles ─► slowed by the observed factors ─► plan_auto ─► the best candidate
                                               └─► the running plan priced ─► now
@@ -12,7 +12,9 @@ compute scaled by how much slower (or faster) it now runs (:func:`forecast`):
 The running plan is priced as the search priced it (:func:`~xronos.planner.pipesearch.
 priced`); the best candidate is ``auto``'s pick at the new speeds — among every strategy
 for an ``auto`` run, among pipelines for a pipeline run. Both come from the same model, so
-their ratio holds where the model's absolute level is off.
+their ratio holds where the model's absolute level is off. What each device is predicted
+to compute under the running plan (:meth:`Replanner.compute_s`) gives the factors of a plan
+that was out of balance from its first step: measured over predicted.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from xronos.config import ModelConfig
 from xronos.planner.auto import plan_auto, stage_messages
 from xronos.planner.pipeline import PipelinePlan
-from xronos.planner.pipesearch import device_stages, priced
+from xronos.planner.pipesearch import device_stages, priced, stage_compute_s
 from xronos.planner.profile import DeviceProfile, slowed
 
 
@@ -44,61 +46,76 @@ class Forecast:
         return max(0.0, 1.0 - self.best_s / self.now_s) if self.now_s > 0 else 0.0
 
 
-def forecast(
-    cfg: ModelConfig,
-    profiles: Sequence[DeviceProfile],
-    running: PipelinePlan,
-    factors: Mapping[str, float],
-    *,
-    batch_size: int,
-    seq_len: int,
-    grad_accum: int,
-    mlp_chunk: int,
-    vocab_chunk: int,
-    only: str | None = None,
-    anchor: int | None = None,
-) -> Forecast:
-    """``running`` and the best candidate at the new speeds.
+@dataclass(frozen=True, kw_only=True)
+class Replanner:
+    """The planner's view of one running pipeline.
 
-    Args:
-        cfg: the model.
-        profiles: the run's devices' profiles (rank order), as it was planned with them
-            (priced for its wire dtype).
-        running: the pipeline that runs (its devices named as in ``profiles``).
-        factors: per device name, its compute now over its compute when planned (a device
-            not named keeps its speed).
-        batch_size, seq_len, grad_accum, mlp_chunk, vocab_chunk: the profiled shape and
-            the step, as for :func:`~xronos.planner.auto.plan_auto`.
-        only: the candidates' strategy to choose among (None: every strategy).
-        anchor: a rank every candidate must include (None: any).
-    """
-    scaled = [slowed(p, factors.get(p.name, 1.0)) for p in profiles]
-    choice = plan_auto(
-        cfg,
-        scaled,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        grad_accum=grad_accum,
-        mlp_chunk=mlp_chunk,
-        vocab_chunk=vocab_chunk,
-    )
-    act_bytes, tied_bytes = stage_messages(cfg, scaled, batch_size * seq_len, grad_accum)
-    now = priced(
-        running,
-        device_stages(scaled, cfg, mlp_chunk=mlp_chunk, vocab_chunk=vocab_chunk),
-        batch_size=batch_size,
-        grad_accum=grad_accum,
-        act_bytes=act_bytes,
-        tied_bytes=tied_bytes,
-    )
-    eligible = [
-        c
-        for c in choice.candidates
-        if c.feasible
-        and (only is None or c.strategy == only)
-        and (anchor is None or anchor in c.devices)
-    ]
-    if not eligible:
-        return Forecast(now, now, "the running plan")
-    best = min(eligible, key=lambda c: c.predicted_step_s)
-    return Forecast(now, best.predicted_step_s, choice.label(best))
+    ``profiles``: the run's devices' profiles (rank order), as it was planned with them
+    (priced for its wire dtype); ``running``: the pipeline that runs (its devices named as
+    in ``profiles``); the profiled shape and the step as for
+    :func:`~xronos.planner.auto.plan_auto`; ``only``: the candidates' strategy to choose
+    among (None: every strategy); ``anchor``: a rank every candidate must include."""
+
+    cfg: ModelConfig
+    profiles: Sequence[DeviceProfile]
+    running: PipelinePlan
+    batch_size: int
+    seq_len: int
+    grad_accum: int
+    mlp_chunk: int
+    vocab_chunk: int
+    only: str | None = None
+    anchor: int | None = None
+
+    @property
+    def _chunks(self) -> dict[str, int]:
+        return {"mlp_chunk": self.mlp_chunk, "vocab_chunk": self.vocab_chunk}
+
+    def _messages(self, profiles: Sequence[DeviceProfile]) -> tuple[float, float]:
+        return stage_messages(self.cfg, profiles, self.batch_size * self.seq_len, self.grad_accum)
+
+    def compute_s(self) -> dict[str, float]:
+        """Per device of the running plan: its predicted forward and backward seconds a
+        step at the profiled speeds (what its records' compute spans hold)."""
+        act_bytes, _ = self._messages(self.profiles)
+        return stage_compute_s(
+            self.running,
+            device_stages(self.profiles, self.cfg, **self._chunks),
+            batch_size=self.batch_size,
+            grad_accum=self.grad_accum,
+            act_bytes=act_bytes,
+        )
+
+    def forecast(self, factors: Mapping[str, float]) -> Forecast:
+        """The running plan and the best candidate with each device's compute ``factors``
+        times what it was when profiled (a device not named keeps its speed)."""
+        scaled = [slowed(p, factors.get(p.name, 1.0)) for p in self.profiles]
+        choice = plan_auto(
+            self.cfg,
+            scaled,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            grad_accum=self.grad_accum,
+            mlp_chunk=self.mlp_chunk,
+            vocab_chunk=self.vocab_chunk,
+        )
+        act_bytes, tied_bytes = self._messages(scaled)
+        now = priced(
+            self.running,
+            device_stages(scaled, self.cfg, **self._chunks),
+            batch_size=self.batch_size,
+            grad_accum=self.grad_accum,
+            act_bytes=act_bytes,
+            tied_bytes=tied_bytes,
+        )
+        eligible = [
+            c
+            for c in choice.candidates
+            if c.feasible
+            and (self.only is None or c.strategy == self.only)
+            and (self.anchor is None or self.anchor in c.devices)
+        ]
+        if not eligible:
+            return Forecast(now, now, "the running plan")
+        best = min(eligible, key=lambda c: c.predicted_step_s)
+        return Forecast(now, best.predicted_step_s, choice.label(best))

@@ -124,8 +124,7 @@ class RunMonitor:
     def _resumed(self, strategy: str, devices: list[str]) -> None:
         if self._resume is None:
             return
-        step, redo = self._resume["step"], self._resume["recomputed_steps"]
-        self._resume = None
+        step, redo, self._resume = self._resume["step"], self._resume["recomputed_steps"], None
         self.event("resumed", step, devices=devices, strategy=strategy, recomputed_steps=redo)
         self.say(
             f"resumed from step {step} on {', '.join(devices)} ({strategy}); "
@@ -177,7 +176,7 @@ class RunMonitor:
             self.event("replan_held", ev["step"], reason=ev["reason"])
             self.say(f"step {ev['step']}: a better plan was found, but {ev['reason']}; kept")
         elif kind == "restage":  # a pipeline starts again (xronos.run.restage)
-            keys = ("relative", "now_s", "best", "best_s", "saving_s", "restart_s")
+            keys = ("why", "relative", "now_s", "best", "best_s", "saving_s", "restart_s")
             self.event("restage", ev["step"], **{k: ev[k] for k in keys})
             self.say(f"step {ev['step']}: {_event_text({'event': 'restage', **ev})}")
         elif kind == "io_restored":
@@ -379,8 +378,9 @@ def _event_text(e: dict[str, Any]) -> str:
         return f"a better plan was found, but {e['reason']}; kept the plan"
     if e["event"] == "restage":
         speeds = ", ".join(f"{d} ×{r:.2f}" for d, r in e["relative"].items())
+        what = "the plan's" if e.get("why") == "balance" else "the others'"
         best = f"{e['best']} predicted at {e['best_s']:.3f} s a step"
-        return f"compute against the others' {speeds}; {best}, now {e['now_s']:.3f}: planned again"
+        return f"compute against {what} {speeds}; {best}, now {e['now_s']:.3f}: planned again"
     if e["event"] == "io_threads_restored":
         return f"another program took {e['device']}'s CPU; its I/O threads are back to normal"
     return (

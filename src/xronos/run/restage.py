@@ -26,6 +26,15 @@ many; only a change of one device against the others by more than the threshold 
 The forecast scales each device by the median of the newer half of its window over its
 baseline (the window's median moves once half of it holds the new speed).
 
+**A plan that starts out of balance.** A pipeline's plan comes from a few seconds of
+profiling, with no real pass to calibrate it, and profiles of one model vary from run to
+run (measured: one priced a 12-layer pipeline at 1.59 s a step that then ran at 2.85 s;
+another, an hour later, at 2.65). So once, when a first start's baseline is in, each
+device's compute is set against what the plan predicted it (:meth:`~xronos.planner.
+replan.Replanner.compute_s`), and those factors go to the same forecast; a plan predicted
+at least :data:`~xronos.run.rebalance.BALANCE_GAIN` faster that pays for itself starts the
+run again. A start after a restart (a resumed one) does not check again.
+
 **Pays for itself.** The planner prices the running pipeline and plans the best candidate
 with every device's profile scaled by its observed factor (:func:`xronos.planner.replan.
 forecast`). The saving is the measured step times the fraction the forecast saves; the run
@@ -40,46 +49,44 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from xronos.comm.mappings import TPGroup
 from xronos.metrics.records import StepRecord
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.profile import DeviceProfile, on_the_wire
-from xronos.planner.replan import Forecast, forecast
+from xronos.planner.replan import Forecast, Replanner
 from xronos.run.opening import SessionSpec, wire_bytes
-from xronos.run.rebalance import CHECK_EVERY, FIRST_MOVE_STEPS, WARMUP, SpeedWatch
+from xronos.run.rebalance import BALANCE_GAIN, CHECK_EVERY, FIRST_MOVE_STEPS, WARMUP, SpeedWatch
 from xronos.train.session import Strategy
 
-Forecaster = Callable[[Mapping[str, float]], Forecast]
-"""Per device name its compute factor → the running plan and the best one, predicted."""
+
+class Planner(Protocol):
+    """The planner's view of the running pipeline (:class:`~xronos.planner.replan.Replanner`)."""
+
+    def forecast(self, factors: Mapping[str, float]) -> Forecast: ...
+
+    def compute_s(self) -> dict[str, float]: ...
 
 
-def forecaster(
+def replanner(
     spec: SessionSpec, profiles: Sequence[DeviceProfile], running: PipelinePlan
-) -> Forecaster:
-    """The planner's verdict for the run of ``spec``, planned from ``profiles`` (every
-    device's, rank order, as measured), now running ``running``: among every strategy for
-    an ``auto`` run, among pipelines for a pipeline run."""
+) -> Replanner:
+    """The planner's view of the run of ``spec``, planned from ``profiles`` (every device's,
+    rank order, as measured), now running ``running``: among every strategy for an ``auto``
+    run, among pipelines for a pipeline run."""
     shape = spec.shape
-    priced = on_the_wire(profiles, wire_bytes(spec.comm_dtype))
-    only = None if spec.strategy is Strategy.AUTO else "pp-1f1b"
-
-    def seen(factors: Mapping[str, float]) -> Forecast:
-        return forecast(
-            shape.cfg,
-            priced,
-            running,
-            factors,
-            batch_size=shape.batch_size,
-            seq_len=shape.seq_len,
-            grad_accum=spec.grad_accum,
-            mlp_chunk=shape.mlp_chunk,
-            vocab_chunk=shape.vocab_chunk,
-            only=only,
-        )
-
-    return seen
+    return Replanner(
+        cfg=shape.cfg,
+        profiles=on_the_wire(profiles, wire_bytes(spec.comm_dtype)),
+        running=running,
+        batch_size=shape.batch_size,
+        seq_len=shape.seq_len,
+        grad_accum=spec.grad_accum,
+        mlp_chunk=shape.mlp_chunk,
+        vocab_chunk=shape.vocab_chunk,
+        only=None if spec.strategy is Strategy.AUTO else "pp-1f1b",
+    )
 
 
 def device_compute(records: Sequence[StepRecord], devices: Sequence[str]) -> list[float]:
@@ -94,18 +101,21 @@ class Restager:
     def __init__(
         self,
         devices: Sequence[str],
-        forecast: Forecaster,
+        planner: Planner,
         steps: int,
         opened_s: float,
         emit: Callable[[dict[str, Any]], None],
+        *,
+        balance: bool = True,
     ) -> None:
-        """``devices``: the pipeline's, in its group's rank order; ``forecast``: the
-        planner's verdict at given speeds (:func:`xronos.planner.replan.forecast`, bound to
-        the run); ``steps``: the run's total; ``opened_s``: what this start's profiling and
-        planning took; ``emit``: the worker's event channel (rank 0 speaks)."""
-        self.devices, self.forecast = list(devices), forecast
+        """``devices``: the pipeline's, in its group's rank order; ``planner``: the
+        planner's view of the run (:func:`replanner`); ``steps``: the run's total;
+        ``opened_s``: what this start's profiling and planning took; ``emit``: the worker's
+        event channel (rank 0 speaks); ``balance``: check the first plan against its first
+        steps (a run's first start; a start after a restart does not check again)."""
+        self.devices, self.planner = list(devices), planner
         self.steps, self.opened_s, self.emit = steps, opened_s, emit
-        self.watch = SpeedWatch()
+        self.watch = SpeedWatch(balance_due=balance)
         self.durations: list[float] = []
 
     def after(self, step: int, group: TPGroup, records: Sequence[StepRecord]) -> bool:
@@ -136,20 +146,31 @@ class Restager:
         # the change shows in the window's median once it holds half the window; the
         # newer half's median is the speed the devices run at now
         factors = self.watch.factors(last=self.watch.window // 2)
+        why, least = "change", 0.0
+        if relative is None and self.watch.balance_check() is not None:
+            # the first plan against its own first steps: compute measured over predicted
+            predicted = self.planner.compute_s()
+            baseline = self.watch.baseline or []
+            factors = [
+                b / predicted[d] if predicted.get(d) else 1.0
+                for d, b in zip(self.devices, baseline, strict=True)
+            ]
+            relative, why, least = factors, "balance", BALANCE_GAIN
         if relative is None or factors is None:
             return None
-        seen = self.forecast(dict(zip(self.devices, factors, strict=True)))
+        seen = self.planner.forecast(dict(zip(self.devices, factors, strict=True)))
         step_s = statistics.median(self.durations[-len(self.watch.recent) :])
         saving = step_s * seen.gain
         restart = self.opened_s + FIRST_MOVE_STEPS * step_s
         left = self.steps - step
         return {
             "step": step,
+            "why": why,
             "relative": dict(zip(self.devices, relative, strict=True)),
             "now_s": seen.now_s,
             "best_s": seen.best_s,
             "best": seen.best,
             "saving_s": saving,
             "restart_s": restart,
-            "pays": saving * left > 2.0 * restart,
+            "pays": seen.gain >= least and saving * left > 2.0 * restart,
         }

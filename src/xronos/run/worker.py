@@ -26,7 +26,7 @@ from xronos.metrics.records import StepRecord
 from xronos.pipeline.session import PipelineSession
 from xronos.run.opening import Opened, SessionSpec
 from xronos.run.rebalance import Rebalancer
-from xronos.run.restage import Restager, forecaster
+from xronos.run.restage import Restager, replanner
 from xronos.run.sessions import Profiles, ProfileSource, open_session
 from xronos.run.spacing import KEEP, CheckpointSpacing
 from xronos.train.batches import StepSource
@@ -241,8 +241,11 @@ def _restager(
         return None
     if not (job.rebalance and job.record and job.run_dir) or spec.anchor is not None:
         return None
-    seen = forecaster(spec, profiles.usable(), session.pplan)
-    return Restager(session.runner.names, seen, job.steps, opened.seconds, ctx.emit)
+    planner = replanner(spec, profiles.usable(), session.pplan)
+    first = session.steps_done == 0  # not resumed: check the first plan's balance too
+    return Restager(
+        session.runner.names, planner, job.steps, opened.seconds, ctx.emit, balance=first
+    )
 
 
 def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
