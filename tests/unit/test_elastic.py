@@ -17,6 +17,7 @@ from xronos.emulation import ClusterSpec
 from xronos.emulation.cluster import CI_2DEV_MEM_CAP, DeviceSpec
 from xronos.errors import DeviceLost, UserError
 from xronos.planner.plan import Plan, default_mlp_chunk, default_vocab_chunk
+from xronos.planner.profile import CostCurve, DeviceProfile
 from xronos.profiler.measure import Shape
 from xronos.run import elastic
 from xronos.run.membership import request_join
@@ -103,11 +104,13 @@ def _script(
     monitor: RunMonitor | None = None,
 ) -> list[list[str]]:
     """launch_job gives ``outcomes`` in turn (``"join"``: a lost device asks to come back
-    after a step, the workers stop; ``"restage"``: the workers stopped to start again);
-    a survivor's job resumes from step 4, one started again from step 9. Returns the
-    devices given to each ``rejoined``."""
+    after a step, the workers stop; ``"change"`` / ``"balance"``: the workers stopped to
+    start again, a device's speed changed, or the first plan was out of balance with its
+    first steps, the slow device's compute 1.5 × its prediction); a survivor's job resumes
+    from step 4, one started again from step 9. Returns, per ``rejoined``, the devices
+    given back and the profiles it was given (by name; None: profile anew)."""
     calls = iter(outcomes)
-    rejoins: list[list[str]] = []
+    rejoins: list[tuple[list[str], dict[str, DeviceProfile] | None]] = []
 
     def launch_job(prep: Any, on_event: Any, stop_when: Any, lost: Any) -> list[Any]:
         out = next(calls)
@@ -132,23 +135,30 @@ def _script(
             monitor.last_step += 1  # a step done
             assert stop_when()
             return [WorkerResult(5, True, None, {}, [], [], members=(0,))]  # to take it back
-        if out == "restage":
-            return [WorkerResult(6, True, None, {}, [], [], members=(0,), restaged=True)]
+        if out in ("change", "balance"):
+            offer = {"why": out, "relative": {"fast": 1.0, "slow": 1.5}}
+            return [WorkerResult(6, True, None, {}, [], [], members=(0,), restage=offer)]
         return [DONE]
 
     def survivors(prep: Any, rank: int, known: Any) -> tuple[Any, int]:
         devices = tuple(d for r, d in enumerate(prep.cluster.devices) if r != rank)
         return SimpleNamespace(**{**vars(prep), "cluster": ClusterSpec("test", devices)}), 4
 
-    def rejoined(first: Any, prep: Any, back: list[str]) -> tuple[Any, int]:
-        rejoins.append(back)
+    def rejoined(
+        first: Any, prep: Any, back: list[str], known: dict[str, DeviceProfile] | None = None
+    ) -> tuple[Any, int]:
+        rejoins.append((back, known))
         return first, 9
 
+    known = {n: DeviceProfile(name=n, segments=_CURVES, replicated_s=0.1) for n in ("fast", "slow")}
     monkeypatch.setattr(elastic, "launch_job", launch_job)
     monkeypatch.setattr(elastic, "survivors", survivors)
     monkeypatch.setattr(elastic, "rejoined", rejoined)
-    monkeypatch.setattr(elastic, "known_profiles", lambda prep, monitor: {})
+    monkeypatch.setattr(elastic, "known_profiles", lambda prep, monitor: known)
     return rejoins
+
+
+_CURVES = {s: CostCurve(0.01, 0.002) for s in ("attn", "mlp", "vocab")}
 
 
 def _monitor(run: Path, last_step: int) -> RunMonitor:
@@ -169,7 +179,7 @@ def test_a_lost_device_that_asks_back_is_taken_back(
     (tmp_path / "devices.json").write_text(json.dumps({"devices": rows, "lost": ["slow"]}))
     results, prep = elastic.launch_elastic(_prep(tmp_path, "fast", "slow"), monitor)
     assert results == [DONE] and [d.name for d in prep.cluster.devices] == ["fast", "slow"]
-    assert rejoins == [["slow"]]
+    assert rejoins == [(["slow"], None)]
     kinds = [(e["event"], e["step"]) for e in _events(tmp_path)]
     assert kinds == [("device_lost", 7), ("resumed", 4), ("device_joined", 9), ("resumed", 9)]
     joined, resumed = _events(tmp_path)[2:]
@@ -207,13 +217,29 @@ def test_events_of_a_loss_and_the_resumption(
 def test_a_pipeline_that_stopped_to_plan_again_starts_again_on_its_devices(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rejoins = _script(monkeypatch, ["restage", "done"])
+    rejoins = _script(monkeypatch, ["change", "done"])
     monitor = _monitor(tmp_path, 6)
     results, _ = elastic.launch_elastic(_prep(tmp_path, "fast", "slow"), monitor)
-    assert results == [DONE] and rejoins == [[]]  # the same devices, no one back
+    # the same devices, no one back, profiled anew (their speeds changed)
+    assert results == [DONE] and rejoins == [([], None)]
     [resumed] = _events(tmp_path)
     assert resumed["event"] == "resumed" and resumed["step"] == 9
     assert resumed["recomputed_steps"] == 0  # the checkpoint of the step it stopped at
+
+
+def test_a_pipeline_out_of_balance_plans_again_from_its_profiles_scaled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rejoins = _script(monkeypatch, ["balance", "done"])
+    elastic.launch_elastic(_prep(tmp_path, "fast", "slow"), _monitor(tmp_path, 6))
+    [(back, known)] = rejoins
+    assert back == [] and known is not None
+    # each device's profile scaled by what its first steps showed: no profiling again
+    units = {"attn": 3, "mlp": 5, "vocab": 7}
+    slow, fast = known["slow"].step_time(units), known["fast"].step_time(units)
+    assert slow == pytest.approx(1.5 * fast) and fast == pytest.approx(
+        0.1 + 3 * 0.01 + 0.002 * 15
+    )  # as profiled
 
 
 def test_a_run_started_again_caches_its_first_starts_profiles(tmp_path: Path) -> None:

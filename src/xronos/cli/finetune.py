@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         tensorboard=cfg.tensorboard,
     )
     monitor.step_hooks.append(script.on_step)
+    measuring = not prep.job.profiles.cached  # a restart may plan from known profiles
     try:
         results, prep = launch_elastic(prep, monitor)
     except KeyboardInterrupt:
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         script.stop()
     result = lead_result(results)
     summary = monitor.finish(result.step)
-    if monitor.first_measured and not prep.job.profiles.cached:  # the next run skips profiling
+    if monitor.first_measured and measuring:  # the next run skips profiling
         from xronos.planner.profile import DeviceProfile
         from xronos.profiler.run import store_cached
 

@@ -36,7 +36,7 @@ from xronos.checkpoint import latest_checkpoint, read_checkpoint_meta
 from xronos.emulation import ClusterSpec
 from xronos.errors import DeviceLost, UserError
 from xronos.planner.plan import Plan
-from xronos.planner.profile import DeviceProfile
+from xronos.planner.profile import DeviceProfile, slowed
 from xronos.run.membership import JoinWatch
 from xronos.run.monitor import RunMonitor
 from xronos.run.opening import SessionSpec
@@ -84,8 +84,8 @@ def launch_elastic(prep: Prepared, monitor: RunMonitor) -> tuple[list[Any], Prep
                 f"cannot carry on: {e}"
             ) from None
         lead = lead_result(results)
-        if lead.restaged:  # a pipeline's device changed speed: plan again over the same
-            prep, start = rejoined(first, prep, [])
+        if lead.restage is not None:  # a pipeline's plan no longer fits its devices
+            prep, start = rejoined(first, prep, [], restage_profiles(prep, monitor, lead.restage))
             monitor.resuming(start, monitor.last_step)
             continue
         if not (joins.asked and lead.stopped):
@@ -116,14 +116,34 @@ def survivors(
     return on_devices(prep, prep, keep, profiles)
 
 
-def rejoined(first: Prepared, prep: Prepared, back: list[str]) -> tuple[Prepared, int]:
+def rejoined(
+    first: Prepared,
+    prep: Prepared,
+    back: list[str],
+    known: dict[str, DeviceProfile] | None = None,
+) -> tuple[Prepared, int]:
     """The job of ``prep`` with the devices ``back`` (lost earlier, asking to join) taken
     back — in ``first``'s cluster order, with ``first``'s strategy, every device profiled
-    anew (one that comes back may not be the one that left) — from the checkpoint the
-    workers just wrote; and that checkpoint's step."""
+    anew (one that comes back may not be the one that left) unless ``known`` has every
+    one's profile — from the checkpoint the workers just wrote; and that checkpoint's
+    step."""
     names = {d.name for d in prep.cluster.devices} | set(back)
     keep = [r for r, d in enumerate(first.cluster.devices) if d.name in names]
-    return on_devices(first, prep, keep, None)
+    cached = [(known or {}).get(first.cluster.devices[r].name) for r in keep]
+    return on_devices(first, prep, keep, tuple(p for p in cached if p) if all(cached) else None)
+
+
+def restage_profiles(
+    prep: Prepared, monitor: RunMonitor, offer: dict[str, Any]
+) -> dict[str, DeviceProfile] | None:
+    """For a pipeline that starts again because its first plan was out of balance with
+    its first steps: the profiles it was planned with, each device's compute scaled by the
+    factor those steps showed (what the forecast planned from), so the restart plans the
+    same way without profiling again. None (profile anew) after a change of speed."""
+    if offer.get("why") != "balance":
+        return None
+    known = known_profiles(prep, monitor)
+    return {n: slowed(p, float(offer["relative"].get(n, 1.0))) for n, p in known.items()}
 
 
 def on_devices(

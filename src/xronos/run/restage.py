@@ -33,7 +33,9 @@ another, an hour later, at 2.65). So once, when a first start's baseline is in, 
 device's compute is set against what the plan predicted it (:meth:`~xronos.planner.
 replan.Replanner.compute_s`), and those factors go to the same forecast; a plan predicted
 at least :data:`~xronos.run.rebalance.BALANCE_GAIN` faster that pays for itself starts the
-run again. A start after a restart (a resumed one) does not check again.
+run again — from those profiles scaled by the factors (what the forecast planned from), not
+profiled again, so its cost is the restart's without the profiling. A start after a
+restart (a resumed one) does not check again.
 
 **Pays for itself.** The planner prices the running pipeline and plans the best candidate
 with every device's profile scaled by its observed factor (:func:`xronos.planner.replan.
@@ -107,14 +109,19 @@ class Restager:
         emit: Callable[[dict[str, Any]], None],
         *,
         balance: bool = True,
+        profiled_s: float = 0.0,
     ) -> None:
         """``devices``: the pipeline's, in its group's rank order; ``planner``: the
         planner's view of the run (:func:`replanner`); ``steps``: the run's total;
         ``opened_s``: what this start's profiling and planning took; ``emit``: the worker's
         event channel (rank 0 speaks); ``balance``: check the first plan against its first
-        steps (a run's first start; a start after a restart does not check again)."""
+        steps (a run's first start; a start after a restart does not check again);
+        ``profiled_s``: of ``opened_s``, the profiling, which a balance restart skips."""
         self.devices, self.planner = list(devices), planner
         self.steps, self.opened_s, self.emit = steps, opened_s, emit
+        self.profiled_s = profiled_s
+        self.agreed: dict[str, Any] | None = None
+        """The offer the ranks agreed to start again on (None until then)."""
         self.watch = SpeedWatch(balance_due=balance)
         self.durations: list[float] = []
 
@@ -139,6 +146,7 @@ class Restager:
             return False
         if group.rank == 0:
             self.emit({"kind": "restage", **agreed})
+        self.agreed = agreed
         return True
 
     def _offer(self, step: int) -> dict[str, Any] | None:
@@ -161,7 +169,9 @@ class Restager:
         seen = self.planner.forecast(dict(zip(self.devices, factors, strict=True)))
         step_s = statistics.median(self.durations[-len(self.watch.recent) :])
         saving = step_s * seen.gain
-        restart = self.opened_s + FIRST_MOVE_STEPS * step_s
+        # a balance restart plans from these profiles scaled by the factors: no profiling
+        opened = self.opened_s - (self.profiled_s if why == "balance" else 0.0)
+        restart = max(opened, 0.0) + FIRST_MOVE_STEPS * step_s
         left = self.steps - step
         return {
             "step": step,

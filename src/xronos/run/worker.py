@@ -83,8 +83,9 @@ class WorkerResult:
     records: list[list[StepRecord]] = field(default_factory=list)
     members: tuple[int, ...] = ()
     """The ranks that trained (``auto`` may leave devices out); empty on those left out."""
-    restaged: bool = False
-    """Stopped to start again, profiled and planned anew (:mod:`xronos.run.restage`)."""
+    restage: dict[str, Any] | None = None
+    """Stopped to start again, planned anew: the agreed offer (:mod:`xronos.run.restage`:
+    ``why``, and per device name its compute factor in ``relative``)."""
 
 
 def lead_result(results: list[WorkerResult]) -> WorkerResult:
@@ -244,7 +245,13 @@ def _restager(
     planner = replanner(spec, profiles.usable(), session.pplan)
     first = session.steps_done == 0  # not resumed: check the first plan's balance too
     return Restager(
-        session.runner.names, planner, job.steps, opened.seconds, ctx.emit, balance=first
+        session.runner.names,
+        planner,
+        job.steps,
+        opened.seconds,
+        ctx.emit,
+        balance=first,
+        profiled_s=profiles.seconds,
     )
 
 
@@ -269,7 +276,7 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
 
     current: list[Session] = [session]  # a move to a new plan replaces it
     restager = _restager(ctx, job, opened, session, profiles)
-    restaged = [False]  # stopped to start again (a pipeline's device changed speed)
+    restaged = [False]  # stopped to start again (a pipeline's plan no longer fits)
     told = [False]  # this device's I/O threads went back to the normal class
 
     def after_step(o: StepOutcome) -> bool:
@@ -344,5 +351,5 @@ def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
         state=state,
         records=kept,
         members=session.group.world_ranks(),  # fewer where devices were released
-        restaged=restaged[0],
+        restage=restager.agreed if restager is not None and restaged[0] else None,
     )
