@@ -1,5 +1,5 @@
-"""A pipeline whose device changed speed for good starts again, profiled and planned anew,
-when the planner says that pays.
+"""A pipeline whose device changed speed for good, or whose first plan its first steps show
+out of balance, starts again with a new plan, when the planner says that pays.
 
 ::
 
@@ -38,8 +38,8 @@ profiled again, so its cost is the restart's without the profiling. A start afte
 restart (a resumed one) does not check again.
 
 **Pays for itself.** The planner prices the running pipeline and plans the best candidate
-with every device's profile scaled by its observed factor (:func:`xronos.planner.replan.
-forecast`). The saving is the measured step times the fraction the forecast saves; the run
+with every device's profile scaled by its observed factor (:meth:`xronos.planner.replan.
+Replanner.forecast`). The saving is the measured step times the fraction the forecast saves; the run
 starts again when the saving over the steps left exceeds twice a restart's cost: this
 start's profiling and planning plus :data:`~xronos.run.rebalance.FIRST_MOVE_STEPS` steps
 (the checkpoint, the workers' start). A change that does not pay becomes the new baseline.
