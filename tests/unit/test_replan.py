@@ -135,5 +135,5 @@ def test_each_stage_is_predicted_to_compute_its_micro_batches_without_sends() ->
     slow = dataclasses.replace(slow, running=running)
     assert slow.compute_s()["slow"] == pytest.approx(2 * got["slow"])
     assert slow.compute_s()["fast"] == pytest.approx(got["fast"])
-    again = stage_compute_s(running, devices, batch_size=B, grad_accum=1, act_bytes=act)
+    again = stage_compute_s(running, devices, batch_size=B, grad_accum=1)
     assert again == pytest.approx(got)

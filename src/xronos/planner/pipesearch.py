@@ -232,36 +232,35 @@ def priced(
     """The step :func:`search_pipeline` predicts for ``plan`` (its order, layer split and
     micro-batches kept) on ``devices``, which name its stages' devices (other costs than
     those it was planned with: a device that slowed, say)."""
-    by_name = {d.costs.name: d for d in devices}
-    staged = [by_name[name] for name in plan.devices]
+    staged = _staged(plan, devices)
     tied = send_s(staged[0], staged[-1], tied_bytes, 1.0) if tied_bytes else 0.0
     update = update_s(plan, [d.costs for d in staged])  # once a step, whatever the cut
     return schedule_s(plan, staged, batch_size, grad_accum, act_bytes) + tied + update
 
 
 def stage_compute_s(
-    plan: PipelinePlan,
-    devices: Sequence[StageDevice],
-    *,
-    batch_size: int,
-    grad_accum: int,
-    act_bytes: float,
+    plan: PipelinePlan, devices: Sequence[StageDevice], *, batch_size: int, grad_accum: int
 ) -> dict[str, float]:
     """Per stage device (by name): its predicted forward and backward seconds in a step of
     ``plan``, every micro-batch at its own size, without sends or the update — what the
     runtime records as the stage's compute."""
-    by_name = {d.costs.name: d for d in devices}
-    staged = [by_name[name] for name in plan.devices]
+    staged = _staged(plan, devices)
     sizes = microbatch_sizes(batch_size, plan.num_microbatches // grad_accum, grad_accum)
     last = len(staged) - 1
     out = {name: 0.0 for name in plan.devices}
     for b in sizes:
-        costs = stage_costs_for(staged, fraction=b / batch_size, act_bytes=act_bytes)
+        costs = stage_costs_for(staged, fraction=b / batch_size, act_bytes=0.0)  # no sends
         for j, (c, (lo, hi)) in enumerate(zip(costs, plan.layer_ranges, strict=True)):
             out[plan.devices[j]] += c.stage_s(hi - lo, first=j == 0, last=j == last) - (
                 0.0 if j == last else c.send_s
             )
     return out
+
+
+def _staged(plan: PipelinePlan, devices: Sequence[StageDevice]) -> list[StageDevice]:
+    """``plan``'s stages' devices, first to last, found by name among ``devices``."""
+    by_name = {d.costs.name: d for d in devices}
+    return [by_name[name] for name in plan.devices]
 
 
 def schedule_s(

@@ -54,7 +54,7 @@ class Replanner:
     (priced for its wire dtype); ``running``: the pipeline that runs (its devices named as
     in ``profiles``); the profiled shape and the step as for
     :func:`~xronos.planner.auto.plan_auto`; ``only``: the candidates' strategy to choose
-    among (None: every strategy); ``anchor``: a rank every candidate must include."""
+    among (None: every strategy)."""
 
     cfg: ModelConfig
     profiles: Sequence[DeviceProfile]
@@ -65,25 +65,19 @@ class Replanner:
     mlp_chunk: int
     vocab_chunk: int
     only: str | None = None
-    anchor: int | None = None
 
     @property
     def _chunks(self) -> dict[str, int]:
         return {"mlp_chunk": self.mlp_chunk, "vocab_chunk": self.vocab_chunk}
 
-    def _messages(self, profiles: Sequence[DeviceProfile]) -> tuple[float, float]:
-        return stage_messages(self.cfg, profiles, self.batch_size * self.seq_len, self.grad_accum)
-
     def compute_s(self) -> dict[str, float]:
         """Per device of the running plan: its predicted forward and backward seconds a
         step at the profiled speeds (what its records' compute spans hold)."""
-        act_bytes, _ = self._messages(self.profiles)
         return stage_compute_s(
             self.running,
             device_stages(self.profiles, self.cfg, **self._chunks),
             batch_size=self.batch_size,
             grad_accum=self.grad_accum,
-            act_bytes=act_bytes,
         )
 
     def forecast(self, factors: Mapping[str, float]) -> Forecast:
@@ -99,7 +93,8 @@ class Replanner:
             mlp_chunk=self.mlp_chunk,
             vocab_chunk=self.vocab_chunk,
         )
-        act_bytes, tied_bytes = self._messages(scaled)
+        tokens = self.batch_size * self.seq_len
+        act_bytes, tied_bytes = stage_messages(self.cfg, scaled, tokens, self.grad_accum)
         now = priced(
             self.running,
             device_stages(scaled, self.cfg, **self._chunks),
@@ -111,9 +106,7 @@ class Replanner:
         eligible = [
             c
             for c in choice.candidates
-            if c.feasible
-            and (self.only is None or c.strategy == self.only)
-            and (self.anchor is None or self.anchor in c.devices)
+            if c.feasible and (self.only is None or c.strategy == self.only)
         ]
         if not eligible:
             return Forecast(now, now, "the running plan")

@@ -111,9 +111,7 @@ def survivors(
     """The job of ``prep`` on every device but ``lost_rank``, from the newest checkpoint
     it can resume, and that checkpoint's step (0: none, start over)."""
     keep = [r for r in range(prep.cluster.world_size) if r != lost_rank]
-    cached = [known.get(prep.cluster.devices[r].name) for r in keep]
-    profiles = tuple(p for p in cached if p is not None) if all(cached) else None
-    return on_devices(prep, prep, keep, profiles)
+    return on_devices(prep, prep, keep, _every_one(known, prep.cluster, keep))
 
 
 def rejoined(
@@ -129,8 +127,16 @@ def rejoined(
     step."""
     names = {d.name for d in prep.cluster.devices} | set(back)
     keep = [r for r, d in enumerate(first.cluster.devices) if d.name in names]
-    cached = [(known or {}).get(first.cluster.devices[r].name) for r in keep]
-    return on_devices(first, prep, keep, tuple(p for p in cached if p) if all(cached) else None)
+    return on_devices(first, prep, keep, _every_one(known or {}, first.cluster, keep))
+
+
+def _every_one(
+    known: dict[str, DeviceProfile], cluster: ClusterSpec, keep: list[int]
+) -> tuple[DeviceProfile, ...] | None:
+    """The profiles of ``cluster``'s devices ``keep`` from ``known``; None (profile them)
+    unless it has every one's."""
+    cached = [known.get(cluster.devices[r].name) for r in keep]
+    return tuple(p for p in cached if p is not None) if all(cached) else None
 
 
 def restage_profiles(

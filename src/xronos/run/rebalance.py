@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,7 +121,7 @@ class SpeedWatch:
         steps) over its baseline; None until both are in."""
         if self.baseline is None or len(self.recent) < self.window:
             return None
-        now = _medians(deque(list(self.recent)[-(last or self.window) :]))
+        now = _medians(list(self.recent)[-(last or self.window) :])
         return [n / b if b > 0 else 1.0 for n, b in zip(now, self.baseline, strict=True)]
 
     def changed(self) -> list[float] | None:
@@ -151,7 +151,7 @@ class SpeedWatch:
         self.rounds.clear()
 
 
-def _medians(rows: deque[list[float]]) -> list[float]:
+def _medians(rows: Iterable[list[float]]) -> list[float]:
     return [statistics.median(col) for col in zip(*rows, strict=True)]
 
 

@@ -39,9 +39,9 @@ restart (a resumed one) does not check again.
 
 **Pays for itself.** The planner prices the running pipeline and plans the best candidate
 with every device's profile scaled by its observed factor (:meth:`xronos.planner.replan.
-Replanner.forecast`). The saving is the measured step times the fraction the forecast saves; the run
-starts again when the saving over the steps left exceeds twice a restart's cost: this
-start's profiling and planning plus :data:`~xronos.run.rebalance.FIRST_MOVE_STEPS` steps
+Replanner.forecast`). The saving is the measured step times the fraction the forecast
+saves; the run starts again when the saving over the steps left exceeds twice a restart's
+cost: this start's profiling and planning plus :data:`~xronos.run.rebalance.FIRST_MOVE_STEPS` steps
 (the checkpoint, the workers' start). A change that does not pay becomes the new baseline.
 A pipeline of four layers whose slow device holds one already has no better split to go
 to, and stays as it is.
