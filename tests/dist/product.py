@@ -81,6 +81,12 @@ def job(
     )
 
 
+def recomputing(j: FinetuneJob, on: bool = True) -> FinetuneJob:
+    """``j`` with activation checkpointing on (``--gradient-checkpointing``) or off."""
+    source = dataclasses.replace(j.session.source, recompute=on)
+    return dataclasses.replace(j, session=dataclasses.replace(j.session, source=source))
+
+
 def single(j: FinetuneJob) -> WorkerResult:
     """The oracle: the same job with ``single``, in this process, on one device."""
     spec = dataclasses.replace(

@@ -119,7 +119,7 @@ def _custom_loop(ctx: WorkerContext, job: FinetuneJob, mode: str) -> dict[str, A
 def _run_cases(ctx: WorkerContext, cases: dict[str, tuple[str, FinetuneJob]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (mode, job) in cases.items():
-        plain = mode in ("plain", "rounded")
+        plain = mode in ("plain", "rounded", "recompute")
         out[name] = finetune_worker(ctx, job) if plain else _custom_loop(ctx, job, mode)
     return out
 
@@ -172,6 +172,10 @@ def _check_world(cases: dict[str, tuple[str, FinetuneJob]], world: int) -> None:
                 _assert_same_run(r["losses"], r["state"], product.single(job))
                 assert r["isolated"] == r["observed"], name
                 assert r["isolated"][0] == _expected_computes(job, rank), name
+        elif mode == "recompute":  # checkpointed stages: the oracle without checkpointing
+            ref = product.single(product.recomputing(job, on=False))
+            for r in results:
+                _assert_same_run(r.losses, r.state, ref)
         elif mode == "rounded":  # bf16 messages: close to the exact run, and not equal to it
             ref = product.single(job)
             for r in results:
@@ -193,6 +197,9 @@ def test_two_stages_match_single_process() -> None:
     exact = _job("pp-1f1b", ranges, tied=True, lora=False)
     bf16 = dataclasses.replace(exact.session, comm_dtype="bf16")
     cases["rounded/bf16"] = ("rounded", dataclasses.replace(exact, session=bf16))
+    # --gradient-checkpointing: LoRA dropout's masks drawn again in backward, in 1F1B order
+    lora = _job("pp-1f1b", ranges, tied=True, lora=True)
+    cases["recompute/lora"] = ("recompute", product.recomputing(lora))
     _check_world(cases, 2)
 
 

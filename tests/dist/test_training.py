@@ -197,3 +197,25 @@ def test_overlapped_lanes_match_single_process() -> None:
         assert lanes == {"L0", "L1"}
         names = [s.name for step in records for r in step for s in r.collectives]
         assert any(n.startswith("L1:") for n in names) and any(n.startswith("L0:") for n in names)
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_changes_nothing() -> None:
+    """``--gradient-checkpointing`` on an uneven split (and LoRA with dropout, whose masks
+    are drawn again in backward) runs the same collectives in the same order on the same
+    values as without it: losses, gradient norms and parameters equal bit for bit, and the
+    single-device run's within the usual tolerance."""
+    plan = Plan.from_shares(CFG, [2.0, 1.0], mlp_chunk=8, vocab_chunk=8)
+    jobs = []
+    for lora in (None, LoRAConfig(r=4, alpha=8.0, dropout=0.1)):
+        plain = product.job(CFG, plan=plan, lora=lora, steps=6)
+        jobs += [plain, product.recomputing(plain)]
+    per_rank = run_world(_variants, 2, jobs)
+    for rank in per_rank:
+        for plain, rc in zip(rank[0::2], rank[1::2], strict=True):
+            assert rc.losses == plain.losses and rc.grad_norms == plain.grad_norms
+            assert (rc.state is None) == (plain.state is None)
+            for name, t in (plain.state or {}).items():
+                assert rc.state is not None and torch.equal(rc.state[name], t), name
+    for i in (1, 3):
+        _assert_same_run([rank[i] for rank in per_rank], product.single(jobs[i - 1]))

@@ -31,6 +31,7 @@ from torch import nn
 from xronos.config import ModelConfig
 from xronos.model.head import head_logits
 from xronos.model.norm import RMSNorm
+from xronos.model.recompute import recomputed
 from xronos.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -80,6 +81,15 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache | None = None,
     ) -> torch.Tensor:
+        return self.exit(self.local(x, cos_sin, cache))  # type: ignore[no-any-return]
+
+    def local(
+        self,
+        x: torch.Tensor,  # (B, S, H)
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Everything up to the ``exit`` seam: this rank's partial output (B, S, H)."""
         b, s, _ = x.shape
         d = self.head_dim
         # Local heads: all of them on one device; on a sharded one a contiguous range of
@@ -116,7 +126,7 @@ class Attention(nn.Module):
                 q, k.index_select(1, kv), v.index_select(1, kv), attn_mask=mask, is_causal=causal
             )  # (B, nq, S, d)
         y = y.transpose(1, 2).reshape(b, s, -1)
-        return self.exit(self.o_proj(y))
+        return self.o_proj(y)  # type: ignore[no-any-return]
 
 
 class MLP(nn.Module):
@@ -132,8 +142,12 @@ class MLP(nn.Module):
         self.exit: nn.Module = nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.exit(self.local(x))  # type: ignore[no-any-return]
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """Everything up to the ``exit`` seam: this rank's partial output."""
         gate, up = project(self.enter, x, (self.gate_proj, self.up_proj))
-        return self.exit(self.down_proj(F.silu(gate) * up))
+        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
 
 
 class Block(nn.Module):
@@ -143,6 +157,8 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.recompute = False
+        """Activation checkpointing (see :mod:`xronos.model.recompute`)."""
 
     def forward(
         self,
@@ -150,6 +166,12 @@ class Block(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache | None = None,
     ) -> torch.Tensor:
+        if self.recompute and cache is None and torch.is_grad_enabled():
+            norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+            attn = recomputed(self.self_attn, lambda t: self.self_attn.local(norm1(t), cos_sin))
+            x = x + self.self_attn.exit(attn(x))
+            mlp = recomputed(self.mlp, lambda t: self.mlp.local(norm2(t)))
+            return x + self.mlp.exit(mlp(x))  # type: ignore[no-any-return]
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -199,6 +199,7 @@ def build_model(
     layers: tuple[int, int] | None = None,
     embed: bool = True,
     head: bool = True,
+    recompute: bool = False,
 ) -> LlamaForCausalLM:
     """This rank's shard of the model, ready to train or generate:
     :func:`build_meta` → :func:`materialise` → :func:`apply_tp` or :func:`apply_pp_stage`.
@@ -216,6 +217,7 @@ def build_model(
         embed: pipeline stage: hold the token embedding.
         head: pipeline stage: hold the final norm and the LM head (and, if tied, the
             embedding matrix it shares).
+        recompute: activation checkpointing in every block (:mod:`xronos.model.recompute`).
 
     A stage on a group of several ranks (a hybrid's tensor-parallel stage) is both: the
     parts it holds are sharded by ``plan`` over ``group``.
@@ -241,6 +243,9 @@ def build_model(
     if stage:
         apply_pp_stage(model, cfg, held, embed, head)
     apply_tp(model, cfg, plan, group)
+    for block in model.model.layers:
+        if isinstance(block, Block):  # not a pipeline stage's absent layer
+            block.recompute = recompute
     return model
 
 

@@ -117,8 +117,7 @@ class PipelineRunner:
             )
         self.cfg, self.pplan, self.group, self.opt_cfg = cfg, pplan, group, opt
         self.source, self.timeout_s, self.layout = source, timeout_s, layout
-        # activations and their gradients cross stages in the group's payload dtype
-        # (``--comm-dtype``, as TP's seams); the tied matrix's rows and gradients stay exact
+        # activations and their gradients cross stages in ``--comm-dtype``; tied rows in fp32
         self.wire = group.payload or ACT_DTYPE
         self.stage, self.num_stages = layout.stage_of(group.rank), len(layout.groups)
         self.member = layout.member(group.rank)  # within the stage; 0: its leader
@@ -144,6 +143,7 @@ class PipelineRunner:
             layers=self.layer_range,
             embed=self.first,
             head=self.last,
+            recompute=source.recompute,
         )
         # A tied matrix that trains: the last stage owns it (:mod:`xronos.pipeline.tied`).
         self.tied = TiedRows.of(self.model, layout, cfg, group.rank)

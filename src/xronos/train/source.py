@@ -32,6 +32,8 @@ class ModelSource:
     """What the user called the model (a preset name or a path)."""
     base_dtype: torch.dtype = torch.float32
     """dtype the base weights are held in (LoRA adapters stay fp32)."""
+    recompute: bool = False
+    """Activation checkpointing in every block (:mod:`xronos.model.recompute`)."""
 
     @classmethod
     def from_name(cls, model: str, seed: int = 0, lora: LoRAConfig | None = None) -> ModelSource:
@@ -52,4 +54,5 @@ class ModelSource:
             seed=self.seed,
             lora=self.lora,
             dtype=self.base_dtype,
+            recompute=self.recompute,
         )
