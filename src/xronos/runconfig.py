@@ -133,6 +133,10 @@ class RunConfig:
     base_dtype: str = "fp32"
     """dtype the frozen base weights are held in: fp32 or bf16 (adapters and optimizer
     state stay fp32; bf16 needs LoRA)."""
+    gradient_checkpointing: bool = False
+    """Keep only each block's inputs from the forward and compute the rest again in
+    backward (Hugging Face's name): much less activation memory for about a third more
+    compute, the same gradients."""
     seed: int = 0
     """Seed for preset weights, LoRA init, data order."""
     eval_every: int = 0

@@ -159,13 +159,16 @@ def test_export_and_generate_from_a_run(tmp_path: Path, capsys: pytest.CaptureFi
 @pytest.mark.slow
 def test_every_strategy_follows_the_same_losses(tmp_path: Path) -> None:
     """Same data, same seed, same mathematics: the pipeline and tensor-parallel strategies
-    of `xronos finetune` reproduce the single-device losses."""
+    of `xronos finetune` reproduce the single-device losses, with activation checkpointing
+    too."""
     runs = {}
-    for strategy in ("single", "xronos", "pp-gpipe", "pp-1f1b"):
-        runs[strategy] = tmp_path / strategy
+    for name in ("single", "xronos", "pp-gpipe", "pp-1f1b", "xronos --gradient-checkpointing"):
+        strategy, *extra = name.split()
+        runs[name] = tmp_path / name.replace(" ", "")
         _ok(
             "finetune",
             *SMALL,
+            *extra,
             "--cluster",
             "ci-2dev",
             "--strategy",
@@ -175,8 +178,10 @@ def test_every_strategy_follows_the_same_losses(tmp_path: Path) -> None:
             "--eval-size",
             "0",
             "--out",
-            str(runs[strategy]),
+            str(runs[name]),
         )
+    checkpointed = json.loads((runs[name] / "config.json").read_text())["config"]
+    assert checkpointed["gradient_checkpointing"] is True
     want = _losses(runs["single"])
     for strategy, run in runs.items():
         got = _losses(run)

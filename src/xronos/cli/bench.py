@@ -70,6 +70,11 @@ def register(sub: Any) -> None:
         help="tensor parallelism runs each batch as two halves at once, one computing while "
         "the other's all-reduce is in flight",
     )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="every block keeps only its inputs and computes the rest again in backward",
+    )
     p.add_argument("--no-emulation", action="store_true", help="run without device limits")
     p.add_argument(
         "--bandwidth",
@@ -136,7 +141,7 @@ def workload(args: argparse.Namespace) -> tuple[Scenario, ModelSource]:
         rank = CHECKPOINT_LORA_RANK  # a checkpoint: LoRA, as xronos finetune
     scenario = replace(scenario, steps=steps, warmup=warmup, model=model, lora_rank=rank)
     lora = LoRAConfig(r=rank) if rank else None
-    return scenario, replace(probe, lora=lora)
+    return scenario, replace(probe, lora=lora, recompute=args.gradient_checkpointing)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -219,6 +224,7 @@ def bench_once(
         mlp_chunk=default_mlp_chunk(cfg.intermediate_size),
         vocab_chunk=default_vocab_chunk(cfg.vocab_size),
         lora=source.lora,
+        recompute=source.recompute,
     )
     context = measurement_context(
         cluster,
@@ -374,6 +380,7 @@ def _workload_record(scenario: Scenario, source: ModelSource) -> dict[str, Any]:
         "kv_heads": cfg.num_kv_heads,
         "vocab_size": cfg.vocab_size,
         "training": "lora" if source.lora else "full",
+        "gradient_checkpointing": source.recompute,
         "lora_rank": source.lora.r if source.lora else None,
         "batch_size": scenario.batch_size,
         "seq_len": scenario.seq_len,

@@ -26,13 +26,20 @@ def register(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="default: %(default)s")
     p.add_argument("--seq-len", type=int, default=64, help="default: %(default)s")
     p.add_argument("--lora-rank", type=int, default=0, help="profile LoRA training (0 = full)")
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="profile training that computes each block's forward again in backward",
+    )
     p.add_argument("--out", default="profile.json", help="default: %(default)s")
     p.add_argument("--no-cache", action="store_true", help="measure even if cached")
     p.add_argument("--no-emulation", action="store_true", help="run without device limits")
     p.set_defaults(run=run)
 
 
-def shape_for(model: str, batch_size: int, seq_len: int, lora_rank: int) -> Shape:
+def shape_for(
+    model: str, batch_size: int, seq_len: int, lora_rank: int, recompute: bool = False
+) -> Shape:
     if batch_size < 1 or seq_len < 2:
         raise UserError("--batch-size must be ≥ 1 and --seq-len ≥ 2")
     cfg = ModelSource.from_name(model).cfg
@@ -43,12 +50,15 @@ def shape_for(model: str, batch_size: int, seq_len: int, lora_rank: int) -> Shap
         mlp_chunk=default_mlp_chunk(cfg.intermediate_size),
         vocab_chunk=default_vocab_chunk(cfg.vocab_size),
         lora=LoRAConfig(r=lora_rank) if lora_rank > 0 else None,
+        recompute=recompute,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
-    shape = shape_for(args.model, args.batch_size, args.seq_len, args.lora_rank)
+    shape = shape_for(
+        args.model, args.batch_size, args.seq_len, args.lora_rank, args.gradient_checkpointing
+    )
     context = measurement_context(
         cluster, emulate=not args.no_emulation, cpu_period_us=DEFAULT_CPU_PERIOD_US
     )
@@ -68,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         "mlp_chunk": shape.mlp_chunk,
         "vocab_chunk": shape.vocab_chunk,
         "lora_rank": args.lora_rank,
+        "gradient_checkpointing": shape.recompute,
         "cluster": cluster.to_dict(),
     }
     save_profiles(args.out, profiles, meta)

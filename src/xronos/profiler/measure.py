@@ -25,6 +25,7 @@ from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
 from xronos.model.llama import MLP, Attention, RMSNorm
 from xronos.model.lora import LoRAConfig, add_lora
+from xronos.model.recompute import recomputed
 from xronos.model.rope import RotaryEmbedding
 from xronos.parallel.vocab import vocab_parallel_cross_entropy
 from xronos.planner.plan import segment_units
@@ -44,6 +45,9 @@ class Shape:
     mlp_chunk: int
     vocab_chunk: int
     lora: LoRAConfig | None = None
+    recompute: bool = False
+    """Activation checkpointing (:mod:`xronos.model.recompute`): the layers' segments are
+    timed with their forward computed again in backward, and hold one layer's activations."""
 
 
 def run_times(fn: Callable[[], None], repeats: int, warmup: int = 0) -> list[float]:
@@ -142,7 +146,18 @@ def _segment_module(seg: str, units: int, shape: Shape) -> nn.Module:
         add_lora(module, shape.lora, seed=0)
         for name, p in module.named_parameters():
             p.requires_grad_(".lora_" in name)
-    return module
+    return _Recomputed(module) if shape.recompute else module
+
+
+class _Recomputed(nn.Module):
+    """A segment as a checkpointed block runs it: its forward again in backward."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return recomputed(self.inner, self.inner)(x)
 
 
 def _layer_step(seg: str, units: int, shape: Shape, passes: int = 1) -> Callable[[], None]:
@@ -344,9 +359,10 @@ def unit_bytes(shape: Shape) -> dict[str, int]:
     mlp_params = 3 * h * shape.mlp_chunk
     vocab_params = h * shape.vocab_chunk
     act = BYTES_FP32 * tokens
+    live = 1 if shape.recompute else cfg.num_layers  # layers whose activations are held
     return {
-        "attn": cfg.num_layers * (attn_params * per_param + act * 2 * head_width),
-        "mlp": cfg.num_layers * (mlp_params * per_param + act * 3 * shape.mlp_chunk),
+        "attn": cfg.num_layers * attn_params * per_param + live * act * 2 * head_width,
+        "mlp": cfg.num_layers * mlp_params * per_param + live * act * 3 * shape.mlp_chunk,
         "vocab": vocab_params * per_param + act * 2 * shape.vocab_chunk,
     }
 
@@ -356,5 +372,7 @@ def base_bytes(shape: Shape) -> int:
     cfg = shape.cfg
     per_param = BYTES_FP32 if shape.lora is not None else 4 * BYTES_FP32
     emb = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * per_param
-    acts = BYTES_FP32 * shape.batch_size * shape.seq_len * cfg.hidden_size * 6 * cfg.num_layers
+    # per layer six hidden states; recomputing, the two regions' inputs and one layer's six
+    per_token = 2 * cfg.num_layers + 6 if shape.recompute else 6 * cfg.num_layers
+    acts = BYTES_FP32 * shape.batch_size * shape.seq_len * cfg.hidden_size * per_token
     return emb + acts + 64 * 2**20  # + the runtime itself

@@ -51,6 +51,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
             "batch": [shape.batch_size, shape.seq_len],
             "chunks": [shape.mlp_chunk, shape.vocab_chunk],
             "lora": asdict(shape.lora) if shape.lora else None,
+            **({"recompute": True} if shape.recompute else {}),
             "torch": torch.__version__,
             "attn_unit": "query head",  # profiles of KV-group units are not reused
             # older profiles are not reused

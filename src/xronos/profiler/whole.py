@@ -75,7 +75,7 @@ def time_whole_step(shape: Shape, passes: int = 1, repeats: int = WHOLE_STEP_REP
     that many micro-batches, right after the whole one."""
     cfg = shape.cfg
     plan = Plan.single(cfg)
-    model = build_model(cfg, plan, TPGroup(), lora=shape.lora)  # what ``single`` trains
+    model = build_model(cfg, plan, TPGroup(), lora=shape.lora, recompute=shape.recompute)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (shape.batch_size, shape.seq_len), generator=gen)
     trainer = Trainer(model, cfg, plan, TPGroup(), OptimConfig())

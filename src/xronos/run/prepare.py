@@ -129,7 +129,11 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
         assert cfg.plan is not None
         strategy = strategy_for(cfg.plan, given, strategy)
     source = ModelSource.from_name(cfg.model, cfg.seed)
-    source = replace(source, base_dtype=getattr(torch, BASE_DTYPES[cfg.base_dtype]))
+    source = replace(
+        source,
+        base_dtype=getattr(torch, BASE_DTYPES[cfg.base_dtype]),
+        recompute=cfg.gradient_checkpointing,
+    )
     if cfg.seq_len > source.cfg.max_position_embeddings:
         raise UserError(
             f"--seq-len {cfg.seq_len} exceeds the model's context of "
@@ -171,6 +175,7 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
         mlp_chunk=default_mlp_chunk(source.cfg.intermediate_size),
         vocab_chunk=default_vocab_chunk(source.cfg.vocab_size),
         lora=source.lora,
+        recompute=source.recompute,
     )
     context = measurement_context(cluster, emulate=cfg.emulate, cpu_period_us=DEFAULT_CPU_PERIOD_US)
     keys = tuple(profile_key(c, shape) for c in context)
