@@ -36,6 +36,10 @@ def test_model_and_rank_overrides(tmp_path: Path) -> None:
     assert _workload("--model", ckpt, "--lora-rank", "4") == (ckpt, 4)
     assert _workload("--model", ckpt, "--lora-rank", "0") == (ckpt, 0)  # full, on request
     assert _workload("--lora-rank", "2") == ("small", 2)
+    shaped, _ = workload(
+        build_parser().parse_args(["bench", "--batch-size", "3", "--seq-len", "9"])
+    )
+    assert (shaped.batch_size, shaped.seq_len) == (3, 9)
     _, source = workload(build_parser().parse_args(["bench", "--model", ckpt]))
     assert source.model_dir == str(Path(ckpt).resolve()) and source.cfg.hidden_size == 64
 
@@ -46,6 +50,9 @@ def test_model_and_rank_overrides(tmp_path: Path) -> None:
         (["--model", "no/such/dir"], "no such directory and not a preset"),
         (["--model", "missing.gguf"], "no such GGUF file"),
         (["--lora-rank", "-3"], "--lora-rank must be ≥ 1, or 0 for full fine-tuning"),
+        (["--seq-len", "1"], "--batch-size must be ≥ 1 and --seq-len ≥ 2"),
+        (["--batch-size", "0"], "--batch-size must be ≥ 1 and --seq-len ≥ 2"),
+        (["--seq-len", "4096"], "--seq-len 4096 exceeds the model's context of 1024 tokens"),
     ],
 )
 def test_bad_model_or_rank_is_one_line(

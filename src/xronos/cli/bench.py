@@ -60,6 +60,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--strategies", default=",".join(ALL), help="comma-separated (default: %(default)s)"
     )
+    p.add_argument("--batch-size", type=int, help="sequences a step (scenario default)")
+    p.add_argument("--seq-len", type=int, help="tokens a sequence (scenario default)")
     p.add_argument("--steps", type=int, help="counted steps per strategy (scenario default)")
     p.add_argument("--warmup", type=int, help="uncounted steps per strategy (scenario default)")
     p.add_argument("--no-cache", action="store_true", help="re-profile even if cached")
@@ -123,23 +125,34 @@ def parse_strategies(text: str) -> tuple[Strategy, ...]:
 
 
 def workload(args: argparse.Namespace) -> tuple[Scenario, ModelSource]:
-    """The scenario with the command line's overrides (steps, warmup, model, LoRA rank),
-    and where its model's weights come from; checks them (one-line UserErrors)."""
+    """The scenario with the command line's overrides (batch shape, steps, warmup, model,
+    LoRA rank), and where its model's weights come from; checks them (one-line
+    UserErrors)."""
     scenario = get_scenario(args.scenario)
     steps = args.steps if args.steps is not None else scenario.steps
     warmup = args.warmup if args.warmup is not None else scenario.warmup
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be ≥ 1 and --warmup ≥ 0")
+    batch = args.batch_size if args.batch_size is not None else scenario.batch_size
+    seq = args.seq_len if args.seq_len is not None else scenario.seq_len
+    if batch < 1 or seq < 2:
+        raise UserError("--batch-size must be ≥ 1 and --seq-len ≥ 2")
     model = args.model if args.model is not None else scenario.model
     if args.lora_rank is not None and args.lora_rank < 0:
         raise UserError(f"--lora-rank must be ≥ 1, or 0 for full fine-tuning; got {args.lora_rank}")
     probe = ModelSource.from_name(model)
+    if seq > probe.cfg.max_position_embeddings:
+        raise UserError(
+            f"--seq-len {seq} exceeds the model's context of "
+            f"{probe.cfg.max_position_embeddings} tokens; lower --seq-len"
+        )
     rank = scenario.lora_rank
     if args.lora_rank is not None:
         rank = args.lora_rank
     elif args.model is not None and probe.model_dir is not None:
         rank = CHECKPOINT_LORA_RANK  # a checkpoint: LoRA, as xronos finetune
     scenario = replace(scenario, steps=steps, warmup=warmup, model=model, lora_rank=rank)
+    scenario = replace(scenario, batch_size=batch, seq_len=seq)
     lora = LoRAConfig(r=rank) if rank else None
     return scenario, replace(probe, lora=lora, recompute=args.gradient_checkpointing)
 
