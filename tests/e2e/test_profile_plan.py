@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from xronos.cli import main
+from xronos.cli.profile import shape_for
 from xronos.config import tiny
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.plan import Plan
+from xronos.profiler.bytes import base_bytes, unit_bytes
 
 
 @pytest.mark.slow
@@ -41,6 +43,12 @@ def test_profile_plan_and_reuse_the_plan(
     data = json.loads(profile.read_text())
     assert [d["name"] for d in data["devices"]] == ["fast", "slow"]
     assert all(set(d["segments"]) == {"attn", "mlp", "vocab"} for d in data["devices"])
+    # each device's bytes: the counts with their activations scaled to its measured step
+    shape = shape_for("tiny", 8, 48, 0)
+    for d in data["devices"]:
+        assert d["memory_scale"] >= 1.0
+        assert d["unit_bytes"] == unit_bytes(shape, d["memory_scale"])
+        assert d["base_bytes"] == base_bytes(shape, d["memory_scale"])
     assert main(["plan", "--profile", str(profile), "--out", str(plan_file)]) == 0
     out = capsys.readouterr().out
     assert "predicted step" in out and "fast" in out and "slow" in out

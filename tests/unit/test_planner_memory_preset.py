@@ -19,7 +19,8 @@ from xronos.planner.memory import tp_need, within_caps
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.plan import default_mlp_chunk, default_vocab_chunk, segment_units
 from xronos.planner.profile import CostCurve, DeviceProfile
-from xronos.profiler.measure import Shape, base_bytes, unit_bytes
+from xronos.profiler.bytes import base_bytes, unit_bytes
+from xronos.profiler.measure import Shape
 from xronos.train.session import Strategy
 from xronos.train.source import ModelSource
 

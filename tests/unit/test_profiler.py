@@ -20,10 +20,12 @@ from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from xronos.config import tiny
+from xronos.metrics.rss import PeakRSS
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import segment_units
 from xronos.planner.profile import CostCurve
 from xronos.profiler import measure, whole
+from xronos.profiler.bytes import base_bytes, memory_scale, unit_bytes, whole_need
 from xronos.profiler.measure import SegmentTimes, Shape, fit_line, measure_segments, unit_points
 from xronos.profiler.whole import WholeStep
 
@@ -367,9 +369,35 @@ def test_segments_are_scaled_to_a_whole_real_step(monkeypatch: pytest.MonkeyPatc
         0.0015
     )
     assert got.split_s["mlp"] == pytest.approx(0.03)
+    assert got.memory_scale == 1.0  # no peak measured: the activations as counted
+    # a step that peaked 40 MiB above the count: its activations scaled to match
+    peak = whole_need(SHAPE) + 40 * 2**20
+    monkeypatch.setattr(
+        run, "time_whole_step", lambda shape, passes: WholeStep(1.5 * parts_sum, None, peak)
+    )
+    got = run.scaled(parts, SHAPE, TPGroup(), None)
+    assert got.memory_scale == pytest.approx(memory_scale(SHAPE, peak)) and got.memory_scale > 1
     # a device whose parts promise more than the limit does not time a whole step
     monkeypatch.setattr(run, "WHOLE_STEP_MAX_S", parts_sum / 2)
-    assert run.scaled(parts, SHAPE, TPGroup(), None).scale == 1.0
+    steps: list[Shape] = []
+    monkeypatch.setattr(run, "step_peak", lambda shape: steps.append(shape) or peak)
+    slow = run.scaled(parts, SHAPE, TPGroup(), None)
+    assert slow.scale == 1.0 and slow.memory_scale == 1.0 and not steps
+    # ... but where its memory is capped it steps untimed for the peak
+    capped = run.scaled(parts, SHAPE, TPGroup(), 4 * 2**30)
+    assert capped.scale == 1.0 and steps == [SHAPE]
+    assert capped.memory_scale == pytest.approx(memory_scale(SHAPE, peak))
+
+
+def test_the_whole_step_measures_the_memory_it_took() -> None:
+    """Its peak above the process before the model: at least the weights, their gradients
+    and AdamW's two moments (fp32 each), all alive at the end of a step; the same for the
+    one untimed step of a capped device."""
+    if not PeakRSS().resettable:
+        pytest.skip("this kernel's high-water mark cannot be reset")
+    timed, once = whole.time_whole_step(SHAPE).peak_bytes, whole.step_peak(SHAPE)
+    assert timed is not None and once is not None
+    assert min(timed, once) >= 16 * SHAPE.cfg.num_parameters()
 
 
 @pytest.mark.parametrize("lora", [None, LoRAConfig(r=4)])
@@ -401,3 +429,16 @@ def test_the_update_is_timed_over_what_each_part_trains(
         assert upd["embed"] == upd["head"] == 0.0
     else:  # priced at the layer's per-parameter rate
         assert upd["embed"] / parts["embed"] == pytest.approx(upd["layer"] / parts["layer"])
+
+
+def test_a_profile_holds_its_bytes_at_the_measured_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profile's per-unit and replicated bytes are the counts with the activations
+    scaled as the device's whole step measured (here a made-up 1.7)."""
+    import xronos.profiler.run as run
+    from xronos.comm.mappings import TPGroup
+
+    monkeypatch.setattr(run, "memory_scale", lambda shape, grown: 1.7)
+    got = run.profile_self("dev", SHAPE, TPGroup(), None, "k")
+    assert got.memory_scale == 1.7
+    assert got.unit_bytes == unit_bytes(SHAPE, 1.7) != unit_bytes(SHAPE)
+    assert got.base_bytes == base_bytes(SHAPE, 1.7) > base_bytes(SHAPE)

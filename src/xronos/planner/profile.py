@@ -49,6 +49,10 @@ class DeviceProfile:
     """Bytes of weights + gradients + optimizer state per unit of each segment."""
     base_bytes: int = 0
     """Bytes every device needs regardless of its units (replicated weights, activations)."""
+    memory_scale: float = 1.0
+    """The factor the activations' bytes in ``unit_bytes`` and ``base_bytes`` were scaled by
+    so that the whole model's need is what a real step of it measured
+    (:func:`xronos.profiler.bytes.memory_scale`); 1: as counted."""
     key: str = ""
     """Cache key: device spec + model shape + batch shape."""
     replicated_split: dict[str, float] = field(default_factory=dict)
@@ -126,6 +130,7 @@ class DeviceProfile:
                 memory_bytes=int(d.get("memory_bytes", 0)),
                 unit_bytes={k: int(v) for k, v in d.get("unit_bytes", {}).items()},
                 base_bytes=int(d.get("base_bytes", 0)),
+                memory_scale=float(d.get("memory_scale", 1.0)),
                 key=str(d.get("key", "")),
                 replicated_split={k: float(v) for k, v in d.get("replicated_split", {}).items()},
                 link=_link(d.get("link")),

@@ -13,7 +13,6 @@ the least disturbed by other processes and by the CPU quota's throttling phase.
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,8 +30,6 @@ from xronos.parallel.vocab import vocab_parallel_cross_entropy
 from xronos.planner.plan import segment_units
 from xronos.planner.profile import CostCurve
 from xronos.train.optim import new_adamw
-
-BYTES_FP32 = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,6 +283,9 @@ class SegmentTimes:
     """A tied model's whole embedding (:func:`time_embedding`)."""
     embed_split_s: float = 0.0
     """What each micro-batch beyond the first adds to ``embed_s`` (see ``split_s``)."""
+    memory_scale: float = 1.0
+    """The factor on the activations' bytes that a whole real step measured
+    (:func:`memory_scale`); 1: as counted."""
 
 
 SPLIT_PASSES = 4
@@ -343,36 +343,3 @@ def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
         embed_s=embed,
         embed_split_s=per_extra_pass(embed_cut, embed, m),
     )
-
-
-def unit_bytes(shape: Shape) -> dict[str, int]:
-    """Bytes per unit: weights (+ grads + two AdamW moments when trained) + activations."""
-    cfg = shape.cfg
-    per_param = BYTES_FP32 if shape.lora is not None else 4 * BYTES_FP32
-    tokens = shape.batch_size * shape.seq_len
-    h = cfg.hidden_size
-    # One query head: its q and o columns plus its share of its group's K/V. A device
-    # whose range cuts a KV group also holds that group's whole K/V (at most one extra
-    # group per cut side); that constant is not modelled per unit.
-    head_width = math.ceil(cfg.kv_group_width / cfg.q_per_kv)
-    attn_params = h * head_width + cfg.head_dim * h
-    mlp_params = 3 * h * shape.mlp_chunk
-    vocab_params = h * shape.vocab_chunk
-    act = BYTES_FP32 * tokens
-    live = 1 if shape.recompute else cfg.num_layers  # layers whose activations are held
-    return {
-        "attn": cfg.num_layers * attn_params * per_param + live * act * 2 * head_width,
-        "mlp": cfg.num_layers * mlp_params * per_param + live * act * 3 * shape.mlp_chunk,
-        "vocab": vocab_params * per_param + act * 2 * shape.vocab_chunk,
-    }
-
-
-def base_bytes(shape: Shape) -> int:
-    """Bytes every device needs whatever its units: replicated weights and activations."""
-    cfg = shape.cfg
-    per_param = BYTES_FP32 if shape.lora is not None else 4 * BYTES_FP32
-    emb = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * per_param
-    # per layer six hidden states; recomputing, the two regions' inputs and one layer's six
-    per_token = 2 * cfg.num_layers + 6 if shape.recompute else 6 * cfg.num_layers
-    acts = BYTES_FP32 * shape.batch_size * shape.seq_len * cfg.hidden_size * per_token
-    return emb + acts + 64 * 2**20  # + the runtime itself

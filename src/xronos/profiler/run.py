@@ -26,16 +26,10 @@ from xronos.errors import UserError
 from xronos.planner.comm import LinkModel, star_links, tp_traffic
 from xronos.planner.plan import segment_units
 from xronos.planner.profile import CostCurve, DeviceProfile
-from xronos.profiler.measure import (
-    SPLIT_PASSES,
-    SegmentTimes,
-    Shape,
-    base_bytes,
-    measure_segments,
-    unit_bytes,
-)
+from xronos.profiler.bytes import base_bytes, memory_scale, unit_bytes
+from xronos.profiler.measure import SPLIT_PASSES, SegmentTimes, Shape, measure_segments
 from xronos.profiler.update import measure_update
-from xronos.profiler.whole import WholeStep, split_to_whole, time_whole_step
+from xronos.profiler.whole import split_to_whole, step_peak, time_whole_step
 
 
 def cache_dir() -> Path:
@@ -70,6 +64,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
                 "split: the cut timed in the line's rounds",
                 "split: shared out from the whole step cut",
                 "whole step: 3 warm-up steps; the median of 3 that agree within 10 %",
+                "memory: four MLP activations a column; scaled to the whole step's peak",
             ],
             "optimizer": "adamw fused",  # the step's optimizer, as the update is timed
         },
@@ -328,8 +323,9 @@ def profile_self(
             tied_embeddings=cfg.tie_word_embeddings,
         ),
         memory_bytes=usable_memory(memory_cap),
-        unit_bytes=unit_bytes(shape),
-        base_bytes=base_bytes(shape),
+        unit_bytes=unit_bytes(shape, measured.memory_scale),
+        base_bytes=base_bytes(shape, measured.memory_scale),
+        memory_scale=measured.memory_scale,
         key=key,
     )
 
@@ -352,17 +348,24 @@ def scaled(
     the step cut into :data:`~xronos.profiler.measure.SPLIT_PASSES` micro-batches: what a
     micro-batch adds to the whole model then replaces the segments' own cuts, shared among
     them (and the embedding) in proportion to their times (:func:`split_to_whole`).
-    Collective."""
+    The step's peak memory scales the activations' bytes
+    (:func:`~xronos.profiler.bytes.memory_scale`; a device without it takes the others'
+    median, none: 1); a capped device whose step is too slow to time steps untimed for it
+    (:func:`~xronos.profiler.whole.step_peak`). Collective."""
     totals = segment_units(shape.cfg, shape.mlp_chunk, shape.vocab_chunk)
     predicted = parts.replicated_s + sum(c(totals[s]) for s, c in parts.curves.items())
     need = base_bytes(shape) + sum(b * totals[s] for s, b in unit_bytes(shape).items())
     room = usable_memory(memory_cap)
-    whole: WholeStep | None = None
-    if 0 < predicted <= WHOLE_STEP_MAX_S and (room == 0 or need <= room):
-        whole = time_whole_step(shape, SPLIT_PASSES)  # at most one sequence a pass
+    fits = room == 0 or need <= room
+    timed = 0 < predicted <= WHOLE_STEP_MAX_S and fits
+    whole = time_whole_step(shape, SPLIT_PASSES) if timed else None  # ≤ 1 sequence a pass
     ratio = None if whole is None else whole.seconds / predicted
-    ratios = [r for r in group.gather_object(ratio) if r is not None]
-    k = ratio if ratio is not None else statistics.median(ratios) if ratios else 1.0
+    grown = None if whole is None else whole.peak_bytes
+    if whole is None and fits and memory_cap:  # too slow to time, and memory may bind
+        grown = step_peak(shape)
+    mem = None if grown is None else memory_scale(shape, grown)
+    both = group.gather_object((ratio, mem))
+    k, km = (_own_or_median(mine, [r[i] for r in both]) for i, mine in enumerate((ratio, mem)))
     out = SegmentTimes(
         {s: CostCurve(c.a * k, c.b * k) for s, c in parts.curves.items()},
         parts.replicated_s * k,
@@ -370,10 +373,19 @@ def scaled(
         scale=k,
         embed_s=parts.embed_s * k,
         embed_split_s=parts.embed_split_s * k,
+        memory_scale=km,
     )
     if whole is None or whole.per_pass_s is None:
         return out
     return split_to_whole(out, whole.per_pass_s, totals)
+
+
+def _own_or_median(mine: float | None, every: list[float | None]) -> float:
+    """This device's measurement; where it has none, the median of the others'; none: 1."""
+    if mine is not None:
+        return mine
+    known = [x for x in every if x is not None]
+    return statistics.median(known) if known else 1.0
 
 
 def share_profiles(mine: DeviceProfile, group: TPGroup) -> list[DeviceProfile]:
