@@ -7,6 +7,7 @@ from a checkpoint with the profiles its steps corrected, and completes. Behaviou
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ from xronos.profiler.run import cache_dir
 
 # Both devices run unlimited (no emulation), so they compute alike and a balanced pipeline
 # splits the layers about evenly; the doctored profile makes the planner give core1 most of
-# them. Eight layers leave room to move; 32 tokens a sequence keep a step short.
+# them. Eight layers leave room to move, wide enough (hidden 256) that they, not the step's
+# fixed costs, set its time: at hidden 128 the balance restart's predicted gain was 7.5 %,
+# near the 5 % it needs, and host noise decided; 32 tokens a sequence keep a step short.
 SHAPE = ["--batch-size", "8", "--seq-len", "32"]
 CLAIMED = 0.25  # core1's profile: its compute a quarter of what it is
 
@@ -41,30 +44,41 @@ def test_a_pipeline_planned_from_a_wrong_profile_starts_again_balanced(
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     model = tmp_path / "model"
-    make_checkpoint(model, tied=True, vocab=512, hidden=128, intermediate=384, layers=8)
+    make_checkpoint(model, tied=True, vocab=512, hidden=256, intermediate=768, layers=8)
     save_word_tokenizer(model, 512)
     cluster = ["--cluster", "ci-2dev-even", "--model", str(model)]
     assert main(["profile", *cluster, "--lora-rank", "0", *SHAPE, "--no-emulation",
                  "--out", str(tmp_path / "profile.json")]) == 0  # fmt: skip
-    path = _cached("core1")
-    wrong = slowed(DeviceProfile.from_dict(json.loads(path.read_text())), CLAIMED)
+    path, other = _cached("core1"), _cached("core0")
+    measured = DeviceProfile.from_dict(json.loads(path.read_text()))
+    # The two cores compute alike: core0 gets core1's profile, so that the one misjudgement
+    # the run meets is the doctored one (a busy moment once profiled core0's attention at a
+    # tenth of its cost, and its factor then rose with core1's).
+    twin = replace(
+        measured, name="core0", key=DeviceProfile.from_dict(json.loads(other.read_text())).key
+    )
+    other.write_text(json.dumps(twin.to_dict()))
+    wrong = slowed(measured, CLAIMED)
     path.write_text(json.dumps(wrong.to_dict()))
 
     run = tmp_path / "run"
-    steps = 200
+    steps = 150
     args = ["finetune", *cluster, "--full", "--no-emulate", "--strategy", "pp-1f1b", *SHAPE]
     args += ["--steps", str(steps), "--eval-size", "0", "--train-size", "200", "--out", str(run)]
     assert main(args) == 0
     rows = _rows(run)
-    [restage] = [r for r in rows if r.get("event") == "restage"]
-    # checked once, at the first agreement after the first 2 + 8 steps
+    restage, *later = [r for r in rows if r.get("event") == "restage"]
+    # checked once, at the first agreement after the first 2 + 8 steps; a later start may
+    # still meet a change of speed (the host's), never a second balance check
     assert restage["step"] == 12 and restage["why"] == "balance"
+    assert all(r["why"] == "change" for r in later)
     # core1 computed about four times what its profile predicted, core0 about what it did;
     # host noise moves both, hence the wide bounds
     assert restage["relative"]["core1"] > 2.0 * restage["relative"]["core0"]
     assert restage["best_s"] < 0.95 * restage["now_s"]
-    [resumed] = [r for r in rows if r.get("event") == "resumed"]
-    assert resumed["step"] == 12 and resumed["recomputed_steps"] == 0
+    resumed = [r for r in rows if r.get("event") == "resumed"]
+    assert resumed and resumed[0]["step"] == 12 and len(resumed) == 1 + len(later)
+    assert all(r["recomputed_steps"] == 0 for r in resumed)
     losses = [r["step"] for r in rows if "loss" in r and "event" not in r]
     assert losses[-1] == steps and len(losses) == steps  # every step once
     # the cache keeps what was there: a run that planned from it stores nothing, and a
