@@ -26,7 +26,7 @@ from xronos.errors import UserError
 from xronos.planner.comm import LinkModel, star_links, tp_traffic
 from xronos.planner.plan import segment_units
 from xronos.planner.profile import CostCurve, DeviceProfile
-from xronos.profiler.bytes import base_bytes, memory_scale, unit_bytes
+from xronos.profiler.bytes import base_bytes, memory_scale, unit_bytes, whole_need
 from xronos.profiler.measure import SPLIT_PASSES, SegmentTimes, Shape, measure_segments
 from xronos.profiler.update import measure_update
 from xronos.profiler.whole import split_to_whole, step_peak, time_whole_step
@@ -354,9 +354,8 @@ def scaled(
     (:func:`~xronos.profiler.whole.step_peak`). Collective."""
     totals = segment_units(shape.cfg, shape.mlp_chunk, shape.vocab_chunk)
     predicted = parts.replicated_s + sum(c(totals[s]) for s, c in parts.curves.items())
-    need = base_bytes(shape) + sum(b * totals[s] for s, b in unit_bytes(shape).items())
     room = usable_memory(memory_cap)
-    fits = room == 0 or need <= room
+    fits = room == 0 or whole_need(shape) <= room
     timed = 0 < predicted <= WHOLE_STEP_MAX_S and fits
     whole = time_whole_step(shape, SPLIT_PASSES) if timed else None  # ≤ 1 sequence a pass
     ratio = None if whole is None else whole.seconds / predicted

@@ -12,6 +12,7 @@ out at nothing when the host drifts between two timings.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -78,8 +79,7 @@ def time_whole_step(shape: Shape, passes: int = 1, repeats: int = WHOLE_STEP_REP
     :data:`WHOLE_STEP_MAX_REPEATS`, and then takes the median of them all. With ``passes`` > 1
     (at most the batch's sequences) each round also times the step with its batch cut into
     that many micro-batches, right after the whole one."""
-    release()
-    before, peak = resident_bytes(), PeakRSS()  # the mark reset at the memory held now
+    grown = _growth()
     trainer, ids = _trainer(shape)
     passes = min(passes, shape.batch_size)
     whole = [(ids, ids)]
@@ -102,8 +102,16 @@ def time_whole_step(shape: Shape, passes: int = 1, repeats: int = WHOLE_STEP_REP
             extra.append((timed(cut) - wholes[-1]) / (passes - 1))
         counted = agreeing(wholes, repeats)
     per_pass = max(statistics.median(extra), 0.0) if extra else None
-    grown = peak.peak_bytes() - before if peak.resettable else None
-    return WholeStep(statistics.median(counted or wholes), per_pass, grown)
+    return WholeStep(statistics.median(counted or wholes), per_pass, grown())
+
+
+def _growth() -> Callable[[], int | None]:
+    """Start measuring: freed memory handed back, the kernel's peak reset at what the
+    process holds now. The function returned gives the peak since, above that (None where
+    the peak cannot be reset)."""
+    release()
+    before, peak = resident_bytes(), PeakRSS()
+    return lambda: peak.peak_bytes() - before if peak.resettable else None
 
 
 def _trainer(shape: Shape) -> tuple[Trainer, torch.Tensor]:
@@ -127,12 +135,11 @@ def step_peak(shape: Shape) -> int | None:
     """:data:`STEP_PEAK_STEPS` untimed training steps of the whole model: their peak
     resident memory above the process before the model, as :attr:`WholeStep.peak_bytes`;
     None where the kernel's peak cannot be reset."""
-    release()
-    before, peak = resident_bytes(), PeakRSS()
+    grown = _growth()
     trainer, ids = _trainer(shape)
     for _ in range(STEP_PEAK_STEPS):
         trainer.step([(ids, ids)])
-    return peak.peak_bytes() - before if peak.resettable else None
+    return grown()
 
 
 def split_to_whole(parts: SegmentTimes, per_pass_s: float, totals: dict[str, int]) -> SegmentTimes:
