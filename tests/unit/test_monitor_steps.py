@@ -76,3 +76,32 @@ def test_a_move_back_is_logged_with_what_was_measured(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "plan.json").read_text())["attn"] == list(first.split("attn"))
     summary = monitor.finish(25)
     assert "| replan undone at step 24 | the steps after the last move were slower" in summary
+
+
+def _offer(pays: bool) -> dict[str, object]:
+    """A pipeline's restart offer as :class:`xronos.run.restage.Restager` emits it."""
+    held = None if pays else "3% faster, under the 5% a first plan's restart needs"
+    return {"kind": "restage" if pays else "restage_kept", "step": 12, "why": "balance",
+            "relative": {"core0": 1.1, "core1": 4.0}, "now_s": 0.259, "best_s": 0.216,
+            "best": "pp-1f1b [core1 -> core0]", "saving_s": 0.04, "restart_s": 1.4,
+            "left": 208, "pays": pays, "held": held}  # fmt: skip
+
+
+def test_a_restart_offer_is_logged_taken_or_not(tmp_path: Path) -> None:
+    out = io.StringIO()
+    monitor = RunMonitor(tmp_path, 220, lambda generated: None, out=out)
+    monitor.on_event(0, _offer(pays=False))
+    monitor.on_event(0, _offer(pays=True))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    kept, taken = rows
+    assert kept["event"] == "restage_kept" and taken["event"] == "restage"
+    assert kept["held"] == _offer(pays=False)["held"] and "held" not in taken
+    assert kept["left"] == taken["left"] == 208 and kept["relative"]["core1"] == 4.0
+    said = out.getvalue()
+    head = "step 12: compute against the plan's core0 ×1.10, core1 ×4.00; pp-1f1b [core1 -> "
+    head += "core0] predicted at 0.216 s a step, now 0.259"
+    assert f"{head}: 3% faster, under the 5% a first plan's restart needs; kept the plan" in said
+    assert f"{head}: planned again" in said
+    summary = monitor.finish(220)
+    assert "| restage kept at step 12 | compute against the plan's" in summary
+    assert "| restage at step 12 | compute against the plan's" in summary

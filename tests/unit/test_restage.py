@@ -92,9 +92,14 @@ def test_a_lasting_change_the_planner_can_use_starts_the_run_again() -> None:
 
 
 def test_no_restart_that_does_not_pay_nor_for_noise() -> None:
-    # the same change with 70 steps left does not pay for a 60 s start twice over
+    # the same change with 70 steps left does not pay for a 60 s start twice over: the
+    # offer is logged, once (its speeds are the baseline now)
     step, said, planner = _run(120, opened_s=60.0, slow_after=2.0)
-    assert (step, said) == (None, []) and planner.asked  # asked, and it did not pay
+    assert step is None and planner.asked
+    [ev] = said
+    assert ev["kind"] == "restage_kept" and not ev["pays"] and ev["why"] == "change"
+    assert ev["saving_s"] * ev["left"] <= 2 * ev["restart_s"]
+    assert ev["held"].endswith(f"not twice the {ev['restart_s']:.1f} s to start again")
     # 10 % slower: below the watch's threshold, the planner is not even asked
     step, said, planner = _run(400, opened_s=10.0, slow_after=1.1)
     assert (step, said, planner.asked) == (None, [], [])
@@ -111,7 +116,14 @@ def test_a_change_the_planner_cannot_use_keeps_the_plan() -> None:
     for step in range(1, 401):
         slow = 0.3 * (3.0 if step > 40 else 1.0)
         assert not watch.after(step, TPGroup(), _records(step, {"fast": 0.3, "slow": slow}))
-    assert said == []
+    # the first plan's balance check (as predicted: nothing to gain), then the change,
+    # once: it is the baseline after
+    balance, change = said
+    assert (
+        balance["step"] == 12 and balance["why"] == "balance" and balance["held"].startswith("0%")
+    )
+    assert change["why"] == "change" and change["step"] > 40
+    assert all(e["kind"] == "restage_kept" and e["saving_s"] == 0.0 for e in said)
 
 
 def _first_steps(
@@ -141,6 +153,10 @@ def test_a_first_plan_out_of_balance_with_its_prediction_starts_again_at_once() 
 def test_the_balance_check_needs_a_real_gain_and_a_first_start() -> None:
     # 3 % slower than predicted: the best plan would save 2 %, under BALANCE_GAIN, though
     # over a million steps it would pay for the restart
-    assert _first_steps(0.309, steps=10**6) == (None, [])
+    step, said = _first_steps(0.309, steps=10**6)
+    [ev] = said
+    assert step is None and ev["kind"] == "restage_kept" and ev["step"] == 12
+    assert ev["held"] == "2% faster, under the 5% a first plan's restart needs"
+    assert ev["saving_s"] * ev["left"] > 2 * ev["restart_s"]
     # a start after a restart (resumed) does not check its first plan again
     assert _first_steps(0.45, balance=False) == (None, [])

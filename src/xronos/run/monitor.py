@@ -26,6 +26,7 @@ from xronos.metrics import (
 from xronos.metrics.records import StepRecord
 from xronos.planner.plan import Plan
 from xronos.run.autotable import auto_table
+from xronos.run.eventtext import event_text
 from xronos.utils import atomic_write_text
 
 TRACE_STEPS = 3  # the last steps kept for trace.json and the timeline
@@ -175,10 +176,11 @@ class RunMonitor:
         elif kind == "rebalance_held":
             self.event("replan_held", ev["step"], reason=ev["reason"])
             self.say(f"step {ev['step']}: a better plan was found, but {ev['reason']}; kept")
-        elif kind == "restage":  # a pipeline starts again (xronos.run.restage)
-            keys = ("why", "relative", "now_s", "best", "best_s", "saving_s", "restart_s")
-            self.event("restage", ev["step"], **{k: ev[k] for k in keys})
-            self.say(f"step {ev['step']}: {_event_text({'event': 'restage', **ev})}")
+        elif kind in ("restage", "restage_kept"):  # a pipeline's restart offer (run.restage)
+            keys = ["why", "relative", "now_s", "best", "best_s", "saving_s", "restart_s", "left"]
+            keys += ["held"] if kind == "restage_kept" else []
+            self.event(kind, ev["step"], **{k: ev[k] for k in keys})
+            self.say(f"step {ev['step']}: {event_text({'event': kind, **ev})}")
         elif kind == "io_restored":
             self.event("io_threads_restored", ev["step"], device=ev["device"])
             self.say(
@@ -350,7 +352,7 @@ class RunMonitor:
             lines.append(f"| last checkpoint | `{self.checkpoint}` |")
         for e in self.events:
             lines.append(
-                f"| {e['event'].replace('_', ' ')} at step {e['step']} | {_event_text(e)} |"
+                f"| {e['event'].replace('_', ' ')} at step {e['step']} | {event_text(e)} |"
             )
         if self.plan is not None:
             lines += ["", "## Plan", "", "```", self.plan.table(), "```"]
@@ -360,32 +362,6 @@ class RunMonitor:
             "`plan.json`, `config.json`, `checkpoints/`.",
         ]
         return "\n".join(lines) + "\n"
-
-
-def _event_text(e: dict[str, Any]) -> str:
-    if e["event"] == "device_lost":
-        return f"{e['device']} (rank {e['rank']}): {e['reason']}"
-    if e["event"] == "device_joined":
-        return f"{e['device']} is back"
-    if e["event"] in ("replan", "release"):
-        return (
-            f"{e['reason']}; moved in {e['move_s']:.1f} s, predicted to save "
-            f"{e['predicted_gain_s']:.0f} s"
-        )
-    if e["event"] == "replan_undone":
-        return f"{e['reason']} in {e['move_s']:.1f} s"
-    if e["event"] == "replan_held":
-        return f"a better plan was found, but {e['reason']}; kept the plan"
-    if e["event"] == "restage":
-        speeds = ", ".join(f"{d} ×{r:.2f}" for d, r in e["relative"].items())
-        what = "the plan's" if e.get("why") == "balance" else "the others'"
-        best = f"{e['best']} predicted at {e['best_s']:.3f} s a step"
-        return f"compute against {what} {speeds}; {best}, now {e['now_s']:.3f}: planned again"
-    if e["event"] == "io_threads_restored":
-        return f"another program took {e['device']}'s CPU; its I/O threads are back to normal"
-    return (
-        f"on {', '.join(e['devices'])} ({e['strategy']}), {e['recomputed_steps']} steps done again"
-    )
 
 
 def _tensorboard(run_dir: Path) -> Any:

@@ -41,8 +41,9 @@ restart (a resumed one) does not check again.
 with every device's profile scaled by its observed factor (:meth:`xronos.planner.replan.
 Replanner.forecast`). The saving is the measured step times the fraction the forecast
 saves; the run starts again when the saving over the steps left exceeds twice a restart's
-cost: this start's profiling and planning plus :data:`~xronos.run.rebalance.FIRST_MOVE_STEPS` steps
-(the checkpoint, the workers' start). A change that does not pay becomes the new baseline.
+cost: this start's profiling and planning plus :data:`~xronos.run.rebalance.
+FIRST_MOVE_STEPS` steps (the checkpoint, the workers' start). A change that does not pay
+becomes the new baseline, and a ``restage_kept`` event says why the offer was not taken.
 A pipeline of four layers whose slow device holds one already has no better split to go
 to, and stays as it is.
 """
@@ -143,6 +144,8 @@ class Restager:
             return False
         if not agreed["pays"]:  # the new speeds are the baseline now
             self.watch.restart()
+            if group.rank == 0:
+                self.emit({"kind": "restage_kept", **agreed})
             return False
         if group.rank == 0:
             self.emit({"kind": "restage", **agreed})
@@ -173,6 +176,14 @@ class Restager:
         opened = self.opened_s - (self.profiled_s if why == "balance" else 0.0)
         restart = max(opened, 0.0) + FIRST_MOVE_STEPS * step_s
         left = self.steps - step
+        held = None
+        if why == "balance" and seen.gain < least:
+            held = f"{seen.gain:.0%} faster, under the {least:.0%} a first plan's restart needs"
+        elif saving * left <= 2.0 * restart:
+            held = (
+                f"{saving * left:.1f} s saved over the {left} steps left, not twice the "
+                f"{restart:.1f} s to start again"
+            )
         return {
             "step": step,
             "why": why,
@@ -182,5 +193,7 @@ class Restager:
             "best": seen.best,
             "saving_s": saving,
             "restart_s": restart,
-            "pays": seen.gain >= least and saving * left > 2.0 * restart,
+            "left": left,
+            "pays": held is None,
+            "held": held,
         }
