@@ -15,6 +15,7 @@ import torch
 from tests.dist import product
 from tests.dist.world import WorkerContext, run_world
 from xronos.config import ModelConfig
+from xronos.model.head import CHUNK_TOKENS
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import Plan
 from xronos.metrics.records import LANE
@@ -219,3 +220,16 @@ def test_gradient_checkpointing_changes_nothing() -> None:
                 assert rc.state is not None and torch.equal(rc.state[name], t), name
     for i in (1, 3):
         _assert_same_run([rank[i] for rank in per_rank], product.single(jobs[i - 1]))
+
+
+@pytest.mark.slow
+def test_the_head_in_chunks_of_tokens_matches_single_process() -> None:
+    """Checkpointed micro-batches of more tokens than a chunk (36 x 15 targets): each rank
+    computes its vocabulary rows' loss in chunks and the logits again in backward; the run
+    stays within the usual tolerance of the single-device run without checkpointing (the
+    head's own cross-entropy)."""
+    assert 36 * 15 > CHUNK_TOKENS
+    plan = Plan.from_shares(CFG, [2.0, 1.0], mlp_chunk=8, vocab_chunk=8)
+    chunked = product.recomputing(product.job(CFG, plan=plan, lora=None, steps=6, batch_size=36))
+    per_rank = run_world(_variants, 2, [chunked])
+    _assert_same_run([rank[0] for rank in per_rank], product.single(product.recomputing(chunked, False)))

@@ -11,6 +11,7 @@ import torch
 import xronos.model.llama as llama
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
+from xronos.model.head import CHUNK_TOKENS
 from xronos.model.llama import KVCache, LlamaForCausalLM
 from xronos.model.lora import LoRAConfig
 from xronos.parallel.shard import build_model
@@ -128,13 +129,19 @@ def test_evaluation_and_decoding_run_plainly(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_memory_model_keeps_one_layer_of_activations() -> None:
     """The planner's bytes: weights, gradients and moments unchanged; the activations of the
-    layers' units those of one layer, and the replicated ones two hidden states a layer
-    plus one layer's six."""
+    layers' units those of one layer, the head's those of one chunk of tokens, and the
+    replicated ones two hidden states a layer plus one layer's six."""
     shape = Shape(cfg=CFG, batch_size=4, seq_len=256, mlp_chunk=32, vocab_chunk=32)
     rc = dataclasses.replace(shape, recompute=True)
     full, less = unit_bytes(shape), unit_bytes(rc)
-    assert less["vocab"] == full["vocab"]  # the head is not checkpointed
     tokens, layers = 4 * 256, CFG.num_layers
+    # the head's logits and their gradient: of one chunk of tokens, not of every token
+    assert full["vocab"] - less["vocab"] == 4 * 2 * 32 * (tokens - CHUNK_TOKENS)
+    short = dataclasses.replace(shape, seq_len=CHUNK_TOKENS // 4)  # a step of one chunk
+    assert (
+        unit_bytes(short)["vocab"]
+        == unit_bytes(dataclasses.replace(short, recompute=True))["vocab"]
+    )
     head_width = math.ceil(CFG.kv_group_width / CFG.q_per_kv)  # a query head and its K/V share
     for seg, per_unit in (("attn", 2 * head_width), ("mlp", 4 * 32)):
         act = 4 * tokens * per_unit  # one layer's activations of one unit, fp32

@@ -33,7 +33,7 @@ from xronos.comm.mappings import ReduceFromTP, TPGroup
 from xronos.comm.relay import RemoteModelReader, installed
 from xronos.config import ModelConfig
 from xronos.errors import UserError
-from xronos.model.llama import Attention, Block, LlamaForCausalLM
+from xronos.model.llama import Attention, Block, LlamaForCausalLM, LMHead
 from xronos.model.lora import LoRAConfig, LoRALinear, add_lora, lora_init
 from xronos.model.readers import ModelReader, open_model_reader
 from xronos.model.rope import RotaryEmbedding
@@ -246,6 +246,8 @@ def build_model(
     for block in model.model.layers:
         if isinstance(block, Block):  # not a pipeline stage's absent layer
             block.recompute = recompute
+    if isinstance(model.head, LMHead | VocabParallelHead):  # not a stage's absent head
+        model.head.chunked = recompute
     return model
 
 

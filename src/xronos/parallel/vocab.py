@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xronos.comm.mappings import TPGroup, reduce_from_tp
+from xronos.comm.mappings import TPGroup, copy_to_tp, reduce_from_tp
+from xronos.model.head import chunked_loss_sum, chunks
 from xronos.parallel.columns import project_columns
 from xronos.planner.plan import segment_kind
 
@@ -78,6 +79,9 @@ class VocabParallelHead(nn.Module):
         super().__init__()
         self.lm_head = lm_head
         self.v0, self.vocab_size, self.group = v0, vocab_size, group
+        self.chunked = False
+        """The loss in chunks of tokens, logits computed again in backward (activation
+        checkpointing, :func:`~xronos.model.head.chunked_loss_sum`)."""
 
     def local_logits(self, h: torch.Tensor) -> torch.Tensor:
         (logits,) = project_columns(h, self.group, "head", VOCAB, (self.lm_head,))
@@ -93,11 +97,19 @@ class VocabParallelHead(nn.Module):
         return torch.cat([p[..., : int(w)] for p, w in zip(parts, width, strict=True)], dim=-1)
 
     def loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.local_logits(h).float()
         n = targets.numel()  # explicit: a rank may hold zero vocabulary rows
+        if chunks(self.chunked, self.lm_head, h, n):
+            x = copy_to_tp(h, self.group, "head", VOCAB).reshape(n, h.shape[-1])
+            return chunked_loss_sum(
+                x, self.lm_head.weight, targets.reshape(n), self.v0, self._stats
+            )
+        logits = self.local_logits(h).float()
         return vocab_parallel_cross_entropy(
             logits.reshape(n, logits.shape[-1]), targets.reshape(n), self.v0, self.group
         )
+
+    def _stats(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        return self.group.all_gather(mine, "vocab.ce", VOCAB)
 
     def greedy(self, h: torch.Tensor) -> torch.Tensor:
         """argmax over the full vocabulary of (B, H) hidden states -> (B,) token ids, with

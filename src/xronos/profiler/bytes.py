@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from xronos.model.head import CHUNK_TOKENS
 from xronos.planner.plan import segment_units
 from xronos.profiler.measure import Shape
 
@@ -35,11 +36,14 @@ def unit_bytes(shape: Shape, act_scale: float = 1.0) -> dict[str, int]:
     vocab_params = h * shape.vocab_chunk
     act = BYTES_FP32 * tokens * act_scale
     live = 1 if shape.recompute else cfg.num_layers  # layers whose activations are held
+    # a vocabulary row's logits and their gradient, per token; checkpointing, per token of
+    # at most one chunk (xronos.model.head)
+    head = min(tokens, CHUNK_TOKENS) if shape.recompute else tokens
     # saved per MLP column: gate, its SiLU, up and their product (the down projection's input)
     return {
         "attn": cfg.num_layers * attn_params * per_param + int(live * act * 2 * head_width),
         "mlp": cfg.num_layers * mlp_params * per_param + int(live * act * 4 * shape.mlp_chunk),
-        "vocab": vocab_params * per_param + int(act * 2 * shape.vocab_chunk),
+        "vocab": vocab_params * per_param + int(act * head / tokens * 2 * shape.vocab_chunk),
     }
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
+from xronos.model.head import chunked_loss_sum, chunks
 from xronos.model.llama import MLP, Attention, RMSNorm
 from xronos.model.lora import LoRAConfig, add_lora
 from xronos.model.recompute import recomputed
@@ -207,7 +208,27 @@ def _vocab_step(units: int, shape: Shape, passes: int = 1) -> Callable[[], None]
         part = targets[: logits.shape[0]]  # every part's rows stand for as many targets
         return vocab_parallel_cross_entropy(logits.float(), part, 0, TPGroup())
 
+    if shape.recompute and chunks(True, head, h0, n // passes):  # as a checkpointed model
+        chunked = _ChunkedVocab(head, targets)
+        return _train_step_fn(chunked, lambda: h0.clone().requires_grad_(True), _sum, passes)
     return _train_step_fn(head, lambda: h0.clone().requires_grad_(True), loss_of, passes)
+
+
+class _ChunkedVocab(nn.Module):
+    """Vocabulary rows whose loss a checkpointed model computes in chunks of tokens
+    (:func:`~xronos.model.head.chunked_loss_sum`): the loss of its input hidden states."""
+
+    def __init__(self, head: nn.Linear, targets: torch.Tensor) -> None:
+        super().__init__()
+        self.head, self.targets = head, targets
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        part = self.targets[: h.shape[0]]
+        return chunked_loss_sum(h, self.head.weight, part, 0, lambda s: [s])
+
+
+def _sum(loss: torch.Tensor) -> torch.Tensor:
+    return loss
 
 
 class _Replicated(nn.Module):
