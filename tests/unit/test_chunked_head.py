@@ -13,7 +13,7 @@ from torch import nn
 
 from xronos.comm.mappings import TPGroup
 from xronos.config import ModelConfig
-from xronos.model.head import CHUNK_TOKENS, chunked_loss_sum, chunks
+from xronos.model.head import CHUNK_TOKENS, chunked_loss_sum, chunks, one_rank
 from xronos.parallel.shard import build_model
 from xronos.parallel.vocab import vocab_parallel_cross_entropy
 from xronos.planner.plan import Plan
@@ -41,10 +41,6 @@ def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return h, w, targets
 
 
-def _alone(stats: torch.Tensor) -> list[torch.Tensor]:
-    return [stats]
-
-
 def _grads(loss_of: object, h: torch.Tensor, w: torch.Tensor, train_w: bool = True) -> tuple:
     h, w = h.clone().requires_grad_(True), w.clone().requires_grad_(train_w)
     loss = loss_of(h, w)  # type: ignore[operator]
@@ -55,11 +51,11 @@ def _grads(loss_of: object, h: torch.Tensor, w: torch.Tensor, train_w: bool = Tr
 def test_one_device_matches_cross_entropy() -> None:
     h, w, targets = _inputs()
     ref = _grads(lambda h, w: F.cross_entropy(h @ w.t(), targets, reduction="sum"), h, w)
-    got = _grads(lambda h, w: chunked_loss_sum(h, w, targets, 0, _alone), h, w)
+    got = _grads(lambda h, w: chunked_loss_sum(h, w, targets, 0, one_rank), h, w)
     for a, b in zip(got, ref, strict=True):
         _close(a, b)
     # a frozen head (LoRA): no weight gradient is computed, the input's is the same
-    frozen = _grads(lambda h, w: chunked_loss_sum(h, w, targets, 0, _alone), h, w, False)
+    frozen = _grads(lambda h, w: chunked_loss_sum(h, w, targets, 0, one_rank), h, w, False)
     assert frozen[2] is None
     _close(frozen[1], ref[1])
 
@@ -133,7 +129,7 @@ def test_little_is_kept_for_the_backward() -> None:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        chunked_loss_sum(h, w, targets, 0, _alone)
+        chunked_loss_sum(h, w, targets, 0, one_rank)
     logits = N * V * 4
     # the inputs, per-token statistics and the last chunk's logits: under a third of one
     # step's logits (the head's own path keeps a log-softmax of them all)

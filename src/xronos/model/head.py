@@ -42,7 +42,17 @@ CHUNK_TOKENS = 512
 keeps the head's own path (:func:`chunks`)."""
 
 Gather = Callable[[torch.Tensor], list[torch.Tensor]]
-"""Every rank's ``(2, N)`` statistics from this rank's (one rank: ``[t]``)."""
+"""Every rank's ``(2, N)`` statistics from this rank's (:func:`one_rank` on one device)."""
+
+
+def one_rank(stats: torch.Tensor) -> list[torch.Tensor]:
+    """The :data:`Gather` of one device: its statistics are every rank's."""
+    return [stats]
+
+
+def _starts(tokens: int, rows: int) -> range:
+    """Where each chunk of ``tokens`` begins (none for a rank without vocabulary rows)."""
+    return range(0, tokens if rows else 0, CHUNK_TOKENS)
 
 
 class _HeadProduct(torch.autograd.Function):
@@ -103,7 +113,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
         lse_r = h.new_full((n,), float("-inf"))
         t_r = h.new_zeros(n)
         z = h.new_empty(0, rows)
-        for s in range(0, n if rows else 0, CHUNK_TOKENS):
+        for s in _starts(n, rows):
             c = slice(s, s + CHUNK_TOKENS)
             z = h[c] @ w.t()
             lse_r[c] = torch.logsumexp(z, dim=-1)
@@ -121,10 +131,9 @@ class _ChunkedHeadCE(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         h, w, lse, idx, owned, valid, last = ctx.saved_tensors  # type: ignore[attr-defined]
         need_h, need_w = ctx.needs_input_grad[:2]  # type: ignore[attr-defined]
-        n, rows = h.shape[0], w.shape[0]
         dh = torch.zeros_like(h) if need_h else None
         dw = torch.zeros_like(w) if need_w else None
-        starts = list(range(0, n if rows else 0, CHUNK_TOKENS))
+        starts = _starts(h.shape[0], w.shape[0])
         for s in reversed(starts):  # the last chunk first: its logits were kept
             c = slice(s, s + CHUNK_TOKENS)
             if s == starts[-1]:  # kept: not changed in place (a second backward reads it)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xronos.config import ModelConfig
-from xronos.model.head import chunked_loss_sum, chunks, head_logits
+from xronos.model.head import chunked_loss_sum, chunks, head_logits, one_rank
 from xronos.model.norm import RMSNorm
 from xronos.model.recompute import recomputed
 from xronos.model.rope import RotaryEmbedding, apply_rotary
@@ -266,7 +266,7 @@ class LMHead(nn.Module):
     def loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if chunks(self.chunked, self.lm_head, h, targets.numel()):
             flat = h.reshape(-1, h.shape[-1])
-            return chunked_loss_sum(flat, self.lm_head.weight, targets.reshape(-1), 0, _alone)
+            return chunked_loss_sum(flat, self.lm_head.weight, targets.reshape(-1), 0, one_rank)
         logits = head_logits(self.lm_head, h).float()
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
@@ -278,10 +278,6 @@ class LMHead(nn.Module):
     def greedy(self, h: torch.Tensor) -> torch.Tensor:
         """(B, H) hidden states -> (B,) argmax token ids."""
         return self.lm_head(h).argmax(dim=-1)  # type: ignore[no-any-return]
-
-
-def _alone(stats: torch.Tensor) -> list[torch.Tensor]:
-    return [stats]  # one device: its statistics are every rank's
 
 
 class KVCache:

@@ -38,12 +38,12 @@ def unit_bytes(shape: Shape, act_scale: float = 1.0) -> dict[str, int]:
     live = 1 if shape.recompute else cfg.num_layers  # layers whose activations are held
     # a vocabulary row's logits and their gradient, per token; checkpointing, per token of
     # at most one chunk (xronos.model.head)
-    head = min(tokens, CHUNK_TOKENS) if shape.recompute else tokens
+    head_act = BYTES_FP32 * (min(tokens, CHUNK_TOKENS) if shape.recompute else tokens) * act_scale
     # saved per MLP column: gate, its SiLU, up and their product (the down projection's input)
     return {
         "attn": cfg.num_layers * attn_params * per_param + int(live * act * 2 * head_width),
         "mlp": cfg.num_layers * mlp_params * per_param + int(live * act * 4 * shape.mlp_chunk),
-        "vocab": vocab_params * per_param + int(act * head / tokens * 2 * shape.vocab_chunk),
+        "vocab": vocab_params * per_param + int(head_act * 2 * shape.vocab_chunk),
     }
 
 
