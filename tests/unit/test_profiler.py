@@ -26,7 +26,8 @@ from xronos.planner.plan import segment_units
 from xronos.planner.profile import CostCurve
 from xronos.profiler import measure, whole
 from xronos.profiler.bytes import base_bytes, memory_scale, unit_bytes, whole_need
-from xronos.profiler.measure import SegmentTimes, Shape, fit_line, measure_segments, unit_points
+from xronos.profiler.line import MAX_INTERCEPT, fit_line, line_of, plausible, rising, unit_points
+from xronos.profiler.measure import SegmentTimes, Shape, measure_segments
 from xronos.profiler.whole import WholeStep
 
 SHAPE = Shape(cfg=tiny(), batch_size=2, seq_len=16, mlp_chunk=8, vocab_chunk=32)
@@ -112,6 +113,26 @@ def test_unit_points() -> None:
         assert pts == sorted(set(pts)) and all(1 <= p <= total for p in pts)
 
 
+def test_points_that_do_not_rise_are_not_a_line_of_the_work() -> None:
+    assert rising([(4, 0.02), (8, 0.035)]) and rising([(1, 0.5)])
+    assert not rising([(4, 0.035), (8, 0.035)]) and not rising([(8, 0.02), (4, 0.035)])
+    # flat or falling: through the origin and the point of the most units, never a flat
+    # line whose every unit is free (the fit's floor)
+    assert line_of([(4, 0.035), (8, 0.035)]) == CostCurve(0.0, 0.035 / 8)
+    assert line_of([(8, 0.02), (4, 0.03)]) == CostCurve(0.0, 0.02 / 8)
+    assert line_of([(4, 0.02), (8, 0.035)]) == fit_line([(4, 0.02), (8, 0.035)])
+
+
+def test_a_line_is_plausible_when_its_intercept_is_a_small_part_of_its_points() -> None:
+    # Intercept a = 2·t(4) − t(8) for points at 4 and 8 units.
+    assert plausible([(4, 0.020), (8, 0.036)])  # a = 4 ms, a fifth of t(4)
+    edge = 0.020 * (2 - MAX_INTERCEPT)  # a = MAX_INTERCEPT·t(4) exactly
+    assert plausible([(4, 0.020), (8, edge + 1e-9)])
+    assert not plausible([(4, 0.020), (8, edge - 1e-9)])
+    assert not plausible([(4, 0.035), (8, 0.035)]) and not plausible([])
+    assert plausible([(1, 0.5)])  # one unit count: a line through the origin
+
+
 # -- the timer ---------------------------------------------------------------------------
 class FakeClock:
     """``perf_counter`` that advances only when the timed function says how long it took."""
@@ -154,6 +175,63 @@ def test_the_points_of_a_line_are_timed_in_turn(monkeypatch: pytest.MonkeyPatch)
 
     assert measure.best_times([run("a"), run("b")], repeats=3) == [1.0, 2.0]
     assert order == ["a", "b"] * 3  # interleaved, not a's repeats then b's
+
+
+def approx(x: float) -> object:
+    return pytest.approx(x, abs=1e-12)
+
+
+def _timed_points(
+    monkeypatch: pytest.MonkeyPatch, durations: dict[int, list[float]], cut: list[float]
+) -> tuple[list[tuple[int, float]], float, dict[int, int]]:
+    """``_line_and_cut`` over two unit counts whose steps take the made-up ``durations``
+    in turn (the first of each the warm-up), the cut's steps ``cut``; how often each ran."""
+    clock = FakeClock()
+    monkeypatch.setattr(measure, "time", clock)
+    left = {u: iter(ts) for u, ts in durations.items()}
+    left[0] = iter(cut)
+    runs = dict.fromkeys(left, 0)
+
+    def step_of(u: int, passes: int = 1) -> Callable[[], None]:
+        key = 0 if passes > 1 else u
+
+        def fn() -> None:
+            runs[key] += 1
+            clock.now += next(left[key])
+
+        return fn
+
+    pts, cut_s = measure._line_and_cut(step_of, sorted(durations), 4, repeats=2)
+    return pts, cut_s, runs
+
+
+def test_a_line_is_timed_after_a_warm_up_and_once_when_its_points_rise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The warm-up's 0.9 s would set the smaller point if it were timed.
+    pts, cut, runs = _timed_points(
+        monkeypatch, {4: [0.9, 0.021, 0.020], 8: [0.9, 0.038, 0.036]}, [0.9, 0.05, 0.06]
+    )
+    # a clock that adds and subtracts its sums: rounding of a few ulps of ~3 s
+    assert pts == [(4, approx(0.020)), (8, approx(0.036))] and cut == approx(0.05)
+    assert runs == {4: 3, 8: 3, 0: 3}  # a warm-up and two rounds, no more
+
+
+def test_points_stretched_by_the_host_are_timed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The smaller point's two rounds were both stretched (a flat line: 35 ms at 4 and at 8
+    # units); two more rounds find it at 19 ms, and each point keeps its minimum.
+    pts, cut, runs = _timed_points(
+        monkeypatch,
+        {4: [0.9, 0.035, 0.036, 0.019, 0.030], 8: [0.9, 0.035, 0.037, 0.036, 0.034]},
+        [0.9, 0.05, 0.06, 0.04, 0.07],
+    )
+    assert pts == [(4, approx(0.019)), (8, approx(0.034))] and cut == approx(0.04)
+    assert runs == {4: 5, 8: 5, 0: 5}  # stopped once plausible: one retime of 2 rounds
+    # still flat after every retime: all of them ran, and the line is the proportional one
+    flat = [0.9, *[0.035] * 2 * (1 + measure.RETIMES)]
+    pts, _, runs = _timed_points(monkeypatch, {4: flat, 8: flat}, flat)
+    assert runs[4] == 1 + 2 * (1 + measure.RETIMES)
+    assert line_of(pts) == CostCurve(0.0, approx(0.035 / 8))
 
 
 def _steps_taking(

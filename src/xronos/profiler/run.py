@@ -65,6 +65,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
                 "split: shared out from the whole step cut",
                 "whole step: 3 warm-up steps; the median of 3 that agree within 10 %",
                 "memory: four MLP activations a column; scaled to the whole step's peak",
+                "lines: a warm-up round; implausible points timed again",
             ],
             "optimizer": "adamw fused",  # the step's optimizer, as the update is timed
         },
