@@ -21,6 +21,7 @@ from xronos.emulation.speed import (
     Measurement,
     SpeedCheck,
     SpeedChecker,
+    anchored_step,
     calibrate,
     check_device,
     next_fraction,
@@ -172,7 +173,7 @@ def test_a_loss_that_grows_with_the_load_takes_one_anchored_correction() -> None
         return 1.2 * f - 0.2
 
     measure_at, calls = fake_kernel(load)
-    best, _ = calibrate(measure_at, 0.4, [1_000], step=next_fraction_anchored)
+    best, _ = calibrate(measure_at, 0.4, [1_000], step=anchored_step)
     assert [f for f, _ in calls] == [0.4, pytest.approx(0.5)]
     assert best.got == pytest.approx(0.4)
     # Scaling by asked/got overshoots (0.4 * 0.4 / 0.28 = 0.571 runs at 0.486) and never
@@ -180,6 +181,29 @@ def test_a_loss_that_grows_with_the_load_takes_one_anchored_correction() -> None
     measure_at, calls = fake_kernel(load)
     best, _ = calibrate(measure_at, 0.4, [1_000])
     assert len(calls) == 3 and abs(best.got / 0.4 - 1) > speed.TOLERANCE
+
+
+def test_a_competing_load_steps_along_the_line_through_every_setting_it_measured() -> None:
+    # A busy host's readings (one start of ci-2dev): 0.364 at 0.400, then 0.436 at the
+    # anchored step 0.434 (each ±9 % off). From the last reading alone the next setting
+    # would fall back below the first (0.398); the line through full speed fitted to both
+    # reaches 0.40 between them.
+    readings = {0.4: 0.364}
+    second = next_fraction_anchored(0.4, 0.4, 0.364)
+    readings[round(second, 6)] = 0.436
+    measure_at, calls = fake_kernel(lambda f, p: readings.get(round(f, 6), 0.401))
+    best, tried = calibrate(measure_at, 0.4, [1_000], step=anchored_step)
+    assert second == pytest.approx(0.434, abs=5e-4)  # as that start stepped
+    third = calls[2][0]
+    # 1 - got = c (1 - f), least squares over both: c = Σ(1-g)(1-f) / Σ(1-f)²
+    c = (0.636 * 0.6 + 0.564 * (1 - second)) / (0.6**2 + (1 - second) ** 2)
+    assert third == pytest.approx(1 - 0.6 / c, rel=1e-12)  # float rounding only
+    assert 0.4 < third < second and third == pytest.approx(0.4175, abs=5e-4)
+    assert best.got == 0.401 and len(tried) == 3
+    assert next_fraction_anchored(second, 0.4, 0.436) < 0.4  # what the last alone gives
+    # With one reading, the step is the anchored step of that reading.
+    one = [Measurement(0.4, 1_000, 0.28, (0.28,))]
+    assert anchored_step(one, 0.4) == next_fraction_anchored(0.4, 0.4, 0.28)
 
 
 def test_calibration_leaves_a_period_the_kernel_does_not_enforce() -> None:

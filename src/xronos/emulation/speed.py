@@ -7,8 +7,8 @@ finds its caches cold when it runs again. At start-up the emulator therefore tim
 CPU kernel (:mod:`probe`) inside each throttled device's limits and, on the same CPUs, with
 the limit lifted; the ratio is the device's effective speed. Where it is off by more than
 :data:`TOLERANCE` the limit is moved and measured again (:func:`calibrate`): a CFS quota
-scaled by asked/measured, a competing load along the line through the measurement and full
-speed (:func:`next_fraction_anchored`); where that cannot reach :data:`ACCEPT` at the
+scaled by asked/measured, a competing load along the line through full speed fitted to
+every setting tried (:func:`anchored_step`); where that cannot reach :data:`ACCEPT` at the
 requested period, longer periods (:data:`FALLBACK_PERIODS_US`) are tried. Every device's
 result is a :class:`SpeedCheck`, reported as ``speed: device slow: asked 0.40, got 0.39
 (…)``.
@@ -151,6 +151,33 @@ def next_fraction_anchored(fraction: float, asked: float, got: float) -> float:
     return min(1.0, 2 * fraction, max(0.5 * fraction, target))
 
 
+Step = Callable[[Sequence[Measurement], float], float]
+"""The next limit to try at one period, from every measurement made at it so far (in
+order) and the asked speed."""
+
+
+def scaled_step(here: Sequence[Measurement], asked: float) -> float:
+    """A CFS quota's step: :func:`next_fraction` from the last measurement."""
+    return next_fraction(here[-1].fraction, asked, here[-1].got)
+
+
+def anchored_step(here: Sequence[Measurement], asked: float) -> float:
+    """A competing load's step: :func:`next_fraction_anchored` on the line through (1, 1)
+    fitted to every measurement at this period by least squares (``1 - got = c·(1 - f)``),
+    not only the last. One measurement is off by up to ±10 % on a busy host (its three
+    rounds spread 0.33–0.46 at one setting): from the last alone, a setting measured 9 %
+    high stepped back below one measured 9 % low (0.400 → 0.364, 0.434 → 0.436, then
+    0.398), where the line through both reaches 0.40 at 0.417."""
+    last = here[-1]
+    usable = [m for m in here if 0 < m.got < 1 and m.fraction < 1 and math.isfinite(m.got)]
+    if len(usable) < 2 or last not in usable:
+        return next_fraction_anchored(last.fraction, asked, last.got)
+    c = sum((1 - m.got) * (1 - m.fraction) for m in usable) / sum(
+        (1 - m.fraction) ** 2 for m in usable
+    )
+    return next_fraction_anchored(last.fraction, asked, 1.0 - c * (1.0 - last.fraction))
+
+
 def relative_error(m: Measurement, asked: float) -> float:
     return abs(m.got / asked - 1.0)
 
@@ -164,16 +191,16 @@ def calibrate(
     accept: float = ACCEPT,
     attempts: int = ATTEMPTS,
     max_correction: float = MAX_CORRECTION,
-    step: Callable[[float, float, float], float] = next_fraction,
+    step: Step = scaled_step,
 ) -> tuple[Measurement, list[Measurement]]:
     """Find the limit (fraction, period) whose measured speed is closest to ``asked``.
 
     For each period in turn: start at ``asked``, measure, and move the limit by ``step``
-    (fraction, asked, got) until within ``tolerance`` (at most ``attempts`` settings; a
-    change beyond ``max_correction`` of ``asked`` moves on to the next period instead,
-    except at the last one). Stop at the first period whose best setting is within
-    ``accept``; else return the best setting over all periods. Returns that measurement and
-    every measurement made, in order."""
+    (the period's measurements so far, asked) until within ``tolerance`` (at most
+    ``attempts`` settings; a change beyond ``max_correction`` of ``asked`` moves on to the
+    next period instead, except at the last one). Stop at the first period whose best
+    setting is within ``accept``; else return the best setting over all periods. Returns
+    that measurement and every measurement made, in order."""
     if not periods:
         raise ValueError("calibrate() needs at least one period")
     tried: list[Measurement] = []
@@ -186,7 +213,7 @@ def calibrate(
             here.append(m)
             if relative_error(m, asked) <= tolerance:
                 return m, tried + here
-            following = step(fraction, asked, m.got)
+            following = step(here, asked)
             if following == fraction:  # at the cap: a larger limit is not possible
                 break
             if not last and abs(following / asked - 1.0) > max_correction:
@@ -227,7 +254,7 @@ def check_device(
             lambda f, p: measure(probe, limiter, f, p, threads, cpus),
             asked,
             periods,
-            step=next_fraction_anchored if mechanism == LOAD else next_fraction,
+            step=anchored_step if mechanism == LOAD else scaled_step,
         )
         limiter.settle(best.fraction, best.period_us)
         done = True
