@@ -26,9 +26,11 @@ from xronos.planner.profile import CostCurve
 
 MAX_INTERCEPT = 0.5
 """The largest intercept, as a fraction of the smallest point's time, of a line whose points
-are taken as measured. On ``ci-2dev``'s slow device, timed after a warm-up, attention's
-intercept is 0–15 % of its 4-head point and the MLP's 0–25 % of its 16-unit point; one
-stretched timing of the smaller point moved it past 60 %."""
+are taken as measured. On ``ci-2dev``'s slow device (six profiles, each line timed after a
+warm-up), attention's intercept came to 21–40 % of its 4-head point (22–26 % on a core at
+full speed: its fixed cost is real) and the MLP's to 7–24 % of its 16-unit point; timed
+without the warm-up (and without the workers' heap settings), one profile's attention
+reached 61 %, and a bench's 100 %."""
 
 
 def fit_line(points: Sequence[tuple[int, float]]) -> CostCurve:
