@@ -65,10 +65,7 @@ def plausible(points: Sequence[tuple[int, float]]) -> bool:
 def line_of(points: Sequence[tuple[int, float]]) -> CostCurve:
     """The segment's line: :func:`fit_line`, or, where the points do not rise, the line
     through the origin and the point of the most units."""
-    if rising(points):
-        return fit_line(points)
-    u, t = max(points)
-    return CostCurve(0.0, t / max(u, 1))
+    return fit_line(points if rising(points) else [max(points)])
 
 
 def unit_points(total: int, step: int = 1) -> list[int]:
