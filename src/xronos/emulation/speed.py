@@ -169,7 +169,7 @@ def anchored_step(here: Sequence[Measurement], asked: float) -> float:
     high stepped back below one measured 9 % low (0.400 → 0.364, 0.434 → 0.436, then
     0.398), where the line through both reaches 0.40 at 0.417."""
     last = here[-1]
-    usable = [m for m in here if 0 < m.got < 1 and m.fraction < 1 and math.isfinite(m.got)]
+    usable = [m for m in here if 0 < m.got < 1 and m.fraction < 1]  # NaN compares False
     if len(usable) < 2 or last not in usable:
         return next_fraction_anchored(last.fraction, asked, last.got)
     c = sum((1 - m.got) * (1 - m.fraction) for m in usable) / sum(

@@ -321,11 +321,13 @@ def _line_and_cut(
     its minimum over all of them."""
     fns = [*(step_of(u) for u in units), *([step_of(units[-1], passes=m)] if m > 1 else [])]
     timed = best_times(fns, repeats, warmup=1)
+    points = list(zip(units, timed, strict=False))  # the cut's time, last, is not a point
     for _ in range(RETIMES):
-        if plausible(list(zip(units, timed[: len(units)], strict=True))):
+        if plausible(points):
             break
         timed = [min(t, again) for t, again in zip(timed, best_times(fns, repeats), strict=True)]
-    return list(zip(units, timed[: len(units)], strict=True)), timed[-1]
+        points = list(zip(units, timed, strict=False))
+    return points, timed[-1]
 
 
 def measure_segments(shape: Shape, repeats: int = 2) -> SegmentTimes:
