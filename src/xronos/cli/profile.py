@@ -20,7 +20,9 @@ from xronos.train.source import ModelSource
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("profile", help="profile each device of a cluster (a few seconds)")
+    p = sub.add_parser(
+        "profile", help="profile each device of a cluster (under a minute for small models; cached)"
+    )
     p.add_argument("--cluster", default="default", help="cluster preset or TOML file")
     add_model_arg(p)
     p.add_argument("--batch-size", type=int, default=32, help="default: %(default)s")

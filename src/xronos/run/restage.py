@@ -26,10 +26,10 @@ many; only a change of one device against the others by more than the threshold 
 The forecast scales each device by the median of the newer half of its window over its
 baseline (the window's median moves once half of it holds the new speed).
 
-**A plan that starts out of balance.** A pipeline's plan comes from a few seconds of
-profiling, with no real pass to calibrate it, and profiles of one model vary from run to
-run (measured: one priced a 12-layer pipeline at 1.59 s a step that then ran at 2.85 s;
-another, an hour later, at 2.65). So once, when a first start's baseline is in, each
+**A plan that starts out of balance.** A pipeline's plan comes from its profile, with no
+real pass to calibrate it, and profiles of one model vary from run to run (measured: one
+priced a 12-layer pipeline at 1.59 s a step that then ran at 2.85 s; another, an hour
+later, at 2.65). So once, when a first start's baseline is in, each
 device's compute is set against what the plan predicted it (:meth:`~xronos.planner.
 replan.Replanner.compute_s`), and those factors go to the same forecast; a plan predicted
 at least :data:`~xronos.run.rebalance.BALANCE_GAIN` faster that pays for itself starts the

@@ -69,9 +69,9 @@ def open_auto(
     where the devices' memory holds them together, else one after the other — and open
     the fastest measured one (:func:`pick`: a collaboration must beat the device alone by
     :data:`ALONE_MARGIN`); the devices it leaves out get no session. Predictions from a
-    few seconds of profiling can be off by tens of percent; a real step cannot. With
-    ``only`` (``pp-1f1b``: the best pipeline, run with
-    ``spec.strategy``'s schedule) the best-predicted candidate of that kind runs, untried."""
+    profile can be off by tens of percent; a real step cannot. With ``only`` (``pp-1f1b``:
+    the best pipeline, run with ``spec.strategy``'s schedule) the best-predicted candidate
+    of that kind runs, untried."""
     t0 = time.perf_counter()
     cfg, shape, measured = spec.source.cfg, spec.shape, profiles()
     choice = plan_auto(
