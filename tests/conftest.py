@@ -25,3 +25,14 @@ def _children_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmp")))
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A cache of the suite's own (profiles, under ``XDG_CACHE_HOME``): the tests neither
+    plan from profiles the user's runs cached nor leave theirs in the user's home, and a
+    run here profiles what a clean clone's run profiles. Tests still share it, as one
+    user's runs do."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
