@@ -40,8 +40,11 @@ a busy moment that spans two of three steps moves their median with it (measured
 the run, so the prediction of ``single`` was 37 % off)."""
 
 WHOLE_STEP_MAX_REPEATS = 7
-"""Most whole steps timed while the fastest ones disagree: a host busy for that long (about
-3 s on the fast device of ``ci-2dev``, 7 s on the slow one) is the host the run will meet."""
+"""Most whole steps timed while the fastest ones disagree: a host busy for that long is the
+host the run will meet. With the cut step of each round, seven rounds on ``small`` take
+about 8 s on the fast device of ``ci-2dev`` (whose steps, the slow device stepping beside
+it, never agreed within 10 % in three profiles) and up to 22 s on the slow one: most of a
+profile's time (docs/benchmarks.md)."""
 
 
 def agreeing(times: list[float], count: int = WHOLE_STEP_REPEATS) -> list[float] | None:
