@@ -18,21 +18,14 @@ os.environ.setdefault("XRONOS_DEFAULT_MODEL", "tiny")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _children_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The programs the tests start keep their temporary files under pytest's own base
-    directory, which pytest prunes, not in the host's /tmp (torchrun's agents each leave a
-    log directory there)."""
+def _own_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Directories of the suite's own, under pytest's base directory (which pytest prunes):
+    the programs the tests start keep their temporary files there, not in the host's /tmp
+    (torchrun's agents each leave a log directory there); and the profile cache
+    (``XDG_CACHE_HOME``) is the suite's, so the tests neither plan from profiles the user's
+    runs cached nor leave theirs in the user's home, and a run here profiles what a clean
+    clone's run profiles (the tests still share it, as one user's runs do)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmp")))
-        yield
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _own_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A cache of the suite's own (profiles, under ``XDG_CACHE_HOME``): the tests neither
-    plan from profiles the user's runs cached nor leave theirs in the user's home, and a
-    run here profiles what a clean clone's run profiles. Tests still share it, as one
-    user's runs do."""
-    with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
         yield
