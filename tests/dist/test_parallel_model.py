@@ -7,7 +7,7 @@ split by query heads; splits that cut a KV group make two ranks hold (and comput
 whose gradients must then be summed between them (a must-fail control checks that the sum
 is needed). Every rank's
 parameters then reassemble into the reference's; for the LoRA adapters the layout is checked
-against DESIGN §3's rule, and their gradients are reassembled too, both after and (as a
+against the rule of docs/architecture.md (Units and the Plan), and their gradients are reassembled too, both after and (as a
 must-fail control) before the all-reduce of the per-rank partial sums.
 """
 
@@ -124,7 +124,7 @@ def _forward_backward(ctx: WorkerContext, arg: tuple) -> dict:
 
 
 def _kv_split(name: str) -> bool:
-    """Split along K/V heads: k/v weight and bias, and LoRA B on k/v (DESIGN §3)."""
+    """Split along K/V heads: k/v weight and bias, and LoRA B on k/v (docs/architecture.md, Units and the Plan)."""
     module = name.split(".")[-3] if ".lora_" in name else name.split(".")[-2]
     return module in ("k_proj", "v_proj") and ".lora_A." not in name
 
@@ -154,7 +154,7 @@ def _grad(p: torch.nn.Parameter) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
-#: DESIGN §3, "LoRA under TP", written out independently of ``shard_spec``: the dim of each
+#: docs/architecture.md, "LoRA follows its base layer", written out independently of ``shard_spec``: the dim of each
 #: factor's weight that is split (None: replicated). ``lora_A.weight`` is ``[r, in]`` and
 #: ``lora_B.weight`` is ``[out, r]``: a column-parallel base splits *out* (B's dim 0), a
 #: row-parallel base splits *in* (A's dim 1).
@@ -290,7 +290,7 @@ def _check_lora(result: dict[str, dict]) -> None:
     # 7 adapted projections x 2 layers x (A, B)
     assert len(result) == 28, sorted(result)
     for n, r in result.items():
-        assert r["spec_follows_rule"] and r["local_shape_ok"], f"{n}: not laid out per DESIGN §3"
+        assert r["spec_follows_rule"] and r["local_shape_ok"], f"{n}: not laid out per the LoRA rule"
         assert r["params_equal"], f"{n}: the ranks' pieces do not reassemble the reference"
         # same tolerance as every other gradient: fp32 reassociation of the sharded sums
         tol = ATOL + RTOL * r["grad_scale"]

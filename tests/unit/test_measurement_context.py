@@ -1,5 +1,5 @@
 """What a cached profile is keyed on: everything besides the workload that changes what
-profiling measures (DESIGN §6) — here, how a slow device is emulated."""
+profiling measures (docs/architecture.md, Measurement) — here, how a slow device is emulated."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Compute / transfer / idle arithmetic (DESIGN §6) on records with known timings."""
+"""Compute / transfer / idle arithmetic (docs/architecture.md, Measurement) on records with
+known timings."""
 
 from __future__ import annotations
 

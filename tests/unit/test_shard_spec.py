@@ -1,5 +1,5 @@
 """Which K/V rows each rank holds and owns when the attention is split by query heads,
-checked against a brute-force reading of the rule (DESIGN §3)."""
+checked against a brute-force reading of the rule (docs/architecture.md, Units and the Plan)."""
 
 from __future__ import annotations
 

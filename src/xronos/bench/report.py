@@ -1,4 +1,4 @@
-"""From the workers' logs to ``bench.json`` (DESIGN §7), the table and ``bench.png``.
+"""From the workers' logs to ``bench.json`` (docs/cli.md), the table and ``bench.png``.
 
 Every strategy asked for has an entry; one that could not fit the devices' memory has
 only ``infeasible`` (why: its predicted resident memory against the cap, MiB), its
@@ -66,7 +66,7 @@ def build_report(
     fastest: int,
     meta: dict[str, Any],
 ) -> dict[str, Any]:
-    """``bench.json`` (DESIGN §7) from rank 0's logs."""
+    """``bench.json`` (docs/cli.md) from rank 0's logs."""
     result: dict[str, Any] = {
         "scenario": scenario.name,
         "model": scenario.model,
@@ -106,7 +106,8 @@ def build_report(
     single = result["strategies"].get("single", {}).get("step_time_s") or solo[fastest]
     single_steps = result["strategies"].get("single", {}).get("step_time_s_all") or []
     known = [t for t in solo if t]
-    # DESIGN §6: the compute bound, from every device's measured solo step; no transfer term
+    # the compute bound (docs/architecture.md, Measurement), from every device's measured
+    # solo step; no transfer term
     ideal = ideal_step_time(known) if len(known) == len(solo) else None
     result["ideal_step_time_s"] = ideal
     for entry in result["strategies"].values():
@@ -160,7 +161,8 @@ def together_bound(
     """Where every device also ran its solo step at the same moment as the others: those
     times, each device's ``contention`` (together ÷ in turn − 1: what the others' work
     costs it on a shared host), the compute bound with every device busy, and each
-    strategy's efficiency against that bound (``efficiency`` keeps DESIGN §6's)."""
+    strategy's efficiency against that bound (``efficiency`` stays the one against the
+    solo steps timed in turn)."""
     if not together or not all(together) or not all(alone):
         return
     names = [d.name for d in cluster.devices]

@@ -12,11 +12,12 @@ early waits for the others; here the untimed barrier between strategies would hi
 wait, so ``step.end`` puts it back, as idle, in the step it belongs to.
 
 Every device also runs the whole model alone, inside its own limits, once per round
-(``solo``): its median counted step is ``T_i^solo`` of DESIGN §6, measured, not
-extrapolated (the fastest device's is the ``single`` strategy's when that runs). Where every
-device can hold the model, each counted round also times all the solo steps at the same
-moment: devices emulated on one host slow each other down through its shared caches and
-memory, and the bound with every device busy (``ideal_together_step_time_s``) shows how much.
+(``solo``): its median counted step is ``T_i^solo`` (docs/architecture.md, Measurement),
+measured, not extrapolated (the fastest device's is the ``single`` strategy's when that
+runs). Where every device can hold the model, each counted round also times all the solo
+steps at the same moment: devices emulated on one host slow each other down through its
+shared caches and memory, and the bound with every device busy
+(``ideal_together_step_time_s``) shows how much.
 
 A calibrated heterogeneous tensor-parallel session (``xronos``, or ``auto`` where it ran
 one) is watched in the warm-up as ``xronos finetune`` watches it: once its first steps are

@@ -1,4 +1,4 @@
-"""``xronos bench``: every strategy on the same emulated cluster, interleaved (DESIGN §7)."""
+"""``xronos bench``: every strategy on the same emulated cluster, interleaved (docs/cli.md)."""
 
 from __future__ import annotations
 

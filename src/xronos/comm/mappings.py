@@ -9,8 +9,8 @@ Shape algebra (``R`` ranks, hidden ``H``, tokens ``N = B·S``)::
 
 ``copy_to_tp`` sits before a column-parallel input, ``reduce_from_tp`` after a
 row-parallel output. Both are identities with one rank. Every collective goes through
-``TPGroup.all_reduce`` so that it is timed (arrive/leave, DESIGN §6) and bounded by the
-group's timeout; between two ranks it is one exchange of messages
+``TPGroup.all_reduce`` so that it is timed (arrive/leave: docs/architecture.md,
+Measurement) and bounded by the group's timeout; between two ranks it is one exchange of messages
 (:mod:`xronos.comm.exchange`). A group with ``links`` adds its links' latency to every
 all-reduce and all-gather (the model is in :mod:`xronos.comm.links`).
 

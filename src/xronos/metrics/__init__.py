@@ -1,5 +1,6 @@
 """Measurement: record spans in each worker, split every step into compute / transfer /
-idle per device (DESIGN §6), and write metrics.jsonl, trace.json, PNGs and the bench table.
+idle per device (docs/architecture.md, Measurement), and write metrics.jsonl, trace.json,
+PNGs and the bench table.
 
 ``plot_timeline``, ``plot_bench`` and ``plot_losses`` (:mod:`xronos.metrics.plot`) are
 imported on first use: matplotlib is slow to import and workers never need it.

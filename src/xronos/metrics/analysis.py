@@ -1,4 +1,4 @@
-"""From recorded spans to compute / transfer / idle per device (DESIGN §6). Pure functions.
+"""Recorded spans to compute / transfer / idle per device (docs/architecture.md). Pure.
 
 Every communication span ``c`` on rank ``i`` (``arrive_i(c)`` .. ``leave_i(c)``) is matched
 with the same communication on the other ranks and split in two::
@@ -356,7 +356,7 @@ def summarize(steps: Sequence[StepMetrics], skip_warmup: int = 0) -> RunMetrics:
 
 
 def stall_ratio(observed: Iterable[Span], isolated: Iterable[Span]) -> float:
-    """Computation stall ratio ``1 − t_isolated / t_observed`` (DESIGN §6), in ``[0, 1)``.
+    """Computation stall ratio ``1 − t_isolated / t_observed`` (docs/architecture.md), in [0, 1).
 
     ``t_observed`` sums the observed spans whose name has an isolated reference;
     ``t_isolated`` sums, for those same spans, the mean isolated duration of their name.
@@ -388,9 +388,9 @@ def efficiency(ideal_s: float, measured_s: float) -> float:
 
 
 def ideal_step_time(solo_step_times_s: Sequence[float]) -> float:
-    """The compute bound ``1 / Σ_i (1 / T_i^solo)`` (DESIGN §6): every device busy all the
-    time on its share, nothing moved. No transfer term: no strategy's own communication
-    counts as ideal.
+    """The compute bound ``1 / Σ_i (1 / T_i^solo)`` (docs/architecture.md, Measurement):
+    every device busy all the time on its share, nothing moved. No transfer term: no
+    strategy's own communication counts as ideal.
 
     Args:
         solo_step_times_s: each device's measured time to run the whole step alone.

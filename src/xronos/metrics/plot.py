@@ -91,7 +91,7 @@ def plot_bench(path: str | os.PathLike[str], bench: Mapping[str, Any]) -> None:
     """Median step time, idle ratio (mean and max) and stall ratio per strategy, side by side.
 
     Args:
-        bench: a ``bench.json`` document (DESIGN §7).
+        bench: a ``bench.json`` document (docs/cli.md).
     """
     strategies: Mapping[str, Mapping[str, Any]] = bench.get("strategies", {})
     if not strategies:

@@ -101,7 +101,7 @@ def bench_rows(bench: Mapping[str, Any]) -> list[list[str]]:
 
 
 def format_bench_table(bench: Mapping[str, Any]) -> str:
-    """Plain-text table of a ``bench.json`` document (DESIGN §7), ending with a newline."""
+    """Plain-text table of a ``bench.json`` document (docs/cli.md), ending with a newline."""
     rows = bench_rows(bench)
     widths = [max(len(r[i]) for r in [list(HEADERS), *rows]) for i in range(len(HEADERS))]
 

@@ -1,6 +1,6 @@
 """Build a model that holds only this rank's slices, and wire its communication seams.
 
-The flow (DESIGN §2): ``Plan -> build_model(cfg, plan, group, source) -> session``, in
+The flow (docs/architecture.md): ``Plan -> build_model(cfg, plan, group, source) -> session``, in
 three steps, as torchtitan builds and then parallelises:
 
 1. :func:`build_meta`: the full single-device model on the ``meta`` device (no memory).

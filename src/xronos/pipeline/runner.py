@@ -3,7 +3,7 @@ and the hybrid whose one stage is tensor-parallel.
 
 Stage ``j`` runs on rank ``j`` of the world group and holds the decoder layers of
 ``PipelinePlan.layer_ranges[j]``; stage 0 also holds the embedding, the last stage the final
-norm, the LM head and the loss (DESIGN §4)::
+norm, the LM head and the loss (docs/architecture.md, Pipeline baselines)::
 
     ids ─► [embed, L0..L(a-1)] ─act─► [La..L(b-1)] ─act─► … ─► [.., norm, head, loss]
             stage 0            ◄grad─  stage 1      ◄grad─       stage n-1
@@ -34,8 +34,8 @@ replays the same masks and leaves the generators where the step left them.
 **Why not** ``torch.distributed.pipelining``: its schedules post each receive just before
 waiting on it (no overlap of arrival with compute) and wait inside the library, with no
 hook to time each message's arrival per the ``recv:<msg>`` convention the idle analysis
-needs (DESIGN §6), nor a way to replay a stage's compute without communication for the
-computation-stall measurement. The schedules here are ~30 lines.
+needs (docs/architecture.md, Measurement), nor a way to replay a stage's compute without
+communication for the computation-stall measurement. The schedules here are ~30 lines.
 """
 
 from __future__ import annotations
@@ -314,7 +314,7 @@ class PipelineRunner:
         self.steps_done += 1
         return float(vec[1]) / denom, norm
 
-    # -- computation stall (DESIGN §6) ------------------------------------------------------
+    # -- computation stall (docs/architecture.md, Measurement) --------------------------
     def isolated_compute(self, micro_batches: Sequence[Batch]) -> list[Span]:
         """Re-run this stage's forwards and backwards of the last step with no communication
         in flight; returns compute spans named like the step's (``fwd:mb{i}``, ``bwd:mb{i}``).

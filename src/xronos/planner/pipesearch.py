@@ -11,7 +11,8 @@ exactly. This module searches around it, all of it pure:
   ``(k − 1)`` passes — on a CPU, cutting a small batch is far from free. A stage
   that is not last also pays, per micro-batch, its activations sent to the next stage and
   their gradients coming back: ``2 · p2p(B/k·S·H·4 bytes)`` over the pair's link
-  (:mod:`xronos.planner.comm`); a CPU cannot overlap that with compute (DESIGN §1).
+  (:mod:`xronos.planner.comm`), priced in full: the stage's own CPU moves those bytes,
+  so no compute is counted as hiding them.
 - **Orders** (:func:`search_pipeline`): with at most ``max_permuted`` devices, every
   ordered choice of two or more of them — so a device may hold no stage, and the LM head
   (always on the last stage) may land on any device; with more, the given order only.

@@ -331,7 +331,8 @@ def predict(
     (``finish_s``), the barrier time (``barrier_s``), each device's wait (``idle_s``) and
     the collectives' time after the barrier (``transfer_s``); per device ``compute_s``
     (replicated work + shards, = ``DeviceProfile.step_time``), ``idle_s`` and
-    ``idle_ratio`` (idle / step time, DESIGN §6); ``compute_step_s`` (Σ barriers);
+    ``idle_ratio`` (idle / step time, docs/architecture.md, Measurement); ``compute_step_s``
+    (Σ barriers);
     ``transfer_s`` (every collective of the step, :func:`transfer_by_segment`, less
     what the weight gradients hide behind the column seams' backward all-reduces);
     ``step_time_s`` (Σ barriers + transfer); ``idle_ratio_mean`` and ``idle_ratio_max``.
@@ -381,7 +382,8 @@ def ideal_step_time(
     vocab_chunk: int | None = None,
     transfer_s: float = 0.0,
 ) -> float:
-    """The limit of any split (DESIGN §6): ``1 / Σ_i (1 / T_i^solo) + transfer_s``.
+    """The limit of any split: the compute bound of docs/architecture.md (Measurement)
+    plus the transfer, ``1 / Σ_i (1 / T_i^solo) + transfer_s``.
 
     ``T_i^solo`` is device ``i``'s predicted time to run the whole step alone (every unit
     of every segment plus its replicated work), ignoring its memory limit.
