@@ -36,7 +36,9 @@ from xronos.train.session import Strategy
 # The tolerances of tests/dist/test_pipeline.py (the same single-device arithmetic, some
 # sums in another order: per micro-batch, per stage, the TP stage's per-rank partial sums).
 # A missing gradient exchange or a loss counted twice moves parameters by O(lr) per step.
-LOSS_RTOL = 1e-4
+# Measured: losses within 1e-7, gradient norms within 2.2e-6 relative.
+LOSS_RTOL = 1e-5
+NORM_RTOL = 1e-4
 PARAM_ATOL = 1e-4
 PARAM_RTOL = 1e-4
 STEPS = 4
@@ -113,7 +115,7 @@ def _run_cases(ctx: WorkerContext, jobs: dict[str, FinetuneJob]) -> dict[str, An
 
 def _assert_same_run(r: WorkerResult, ref: WorkerResult) -> None:
     assert r.losses == pytest.approx(ref.losses, rel=LOSS_RTOL)
-    assert r.grad_norms == pytest.approx(ref.grad_norms, rel=LOSS_RTOL)
+    assert r.grad_norms == pytest.approx(ref.grad_norms, rel=NORM_RTOL)
     assert ref.state is not None and r.state is not None
     assert r.state.keys() == ref.state.keys()
     for name, want in ref.state.items():

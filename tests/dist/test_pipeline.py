@@ -37,8 +37,9 @@ from xronos.train.session import Strategy
 # squared norm summed per stage). Observed max |Δ| ≈ 2e-6 over 4 steps. The tolerances are
 # those of tests/dist/test_training.py: Adam divides by sqrt(v), so a noise-level gradient
 # entry may move by a fraction of lr; a missing gradient exchange or a wrong stage boundary
-# moves parameters by O(lr) = 3e-3 per step, far above 1e-4.
-LOSS_RTOL = 1e-4
+# moves parameters by O(lr) = 3e-3 per step, far above 1e-4, and the losses by 1.5e-3.
+LOSS_RTOL = 1e-5
+NORM_RTOL = 1e-4
 PARAM_ATOL = 1e-4
 PARAM_RTOL = 1e-4
 STEPS = 4
@@ -151,7 +152,7 @@ def _check_plain(name: str, job: FinetuneJob, per_rank: list[WorkerResult]) -> N
     assert ref.losses[-1] < ref.losses[0] - 0.05, f"{name}: the run should learn something"
     for r in per_rank:
         _assert_same_run(r.losses, r.state, ref)
-        assert r.grad_norms == pytest.approx(ref.grad_norms, rel=LOSS_RTOL), name
+        assert r.grad_norms == pytest.approx(ref.grad_norms, rel=NORM_RTOL), name
         assert r.plan == _pplan(job).to_dict(), name
     result = per_rank[0]
     assert len(result.records) == STEPS, name

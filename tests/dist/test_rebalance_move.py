@@ -31,8 +31,9 @@ AFTER_PLAN = dataclasses.replace(
 )
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, warmup_steps=4, max_grad_norm=1.0)
 # The move changes only how the all-reduces associate their partial sums (fp32); a lost
-# piece of state (AdamW moments, step count, dropout RNG) moves the loss by ≥ 1e-3.
-LOSS_RTOL = 1e-4
+# piece of state (AdamW moments, step count, dropout RNG) moves the loss by ≥ 1e-3; the
+# move's losses agree to 1.1e-7 relative (measured).
+LOSS_RTOL = 1e-5
 
 
 def _losses(session: TPSession, data: RandomBatches, steps: int) -> list[float]:

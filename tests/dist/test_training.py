@@ -21,12 +21,15 @@ from xronos.planner.plan import Plan
 from xronos.metrics.records import LANE
 from xronos.run.worker import FinetuneJob, WorkerResult, finetune_worker
 
-# Losses agree to ~1e-7 relative in practice; 1e-4 is the contract (DESIGN §3).
-# Parameters: Adam divides each update by sqrt(v), so an entry whose gradient is at the fp32
+# Reassociation only (docs/architecture.md, Exactness). Losses agree to about 1e-7 relative (at most 1.6e-7
+# over 20 steps on three uneven ranks); 1e-5 leaves a margin of 60, and a missing all-reduce
+# moved them by 1.2e-4 to 5e-3. Gradient norms are more sensitive: up to 1.9e-5 relative by
+# step 20 of the same run, hence 1e-4. Parameters: Adam divides each update by sqrt(v), so an entry whose gradient is at the fp32
 # noise level can take an update that differs by a fraction of lr (3e-3) from the reference;
 # observed max |Δ| ≈ 3.5e-5 over 20 steps. A missing all-reduce or a wrong slice changes
 # parameters by O(lr) per step (≥ 1e-3), far above 1e-4.
-LOSS_RTOL = 1e-4
+LOSS_RTOL = 1e-5
+NORM_RTOL = 1e-4
 PARAM_ATOL = 1e-4
 PARAM_RTOL = 1e-4
 
@@ -38,7 +41,7 @@ def _assert_same_run(results: list[WorkerResult], ref: WorkerResult) -> None:
     assert ref.state is not None
     for r in results:
         assert r.losses == pytest.approx(ref.losses, rel=LOSS_RTOL)
-        assert r.grad_norms == pytest.approx(ref.grad_norms, rel=LOSS_RTOL)
+        assert r.grad_norms == pytest.approx(ref.grad_norms, rel=NORM_RTOL)
     state = results[0].state
     assert state is not None and state.keys() == ref.state.keys()
     for name, want in ref.state.items():

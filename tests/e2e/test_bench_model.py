@@ -16,8 +16,9 @@ from xronos.cli.bench import CHECKPOINT_LORA_RANK, workload
 from xronos.errors import UserError
 from xronos.train.batches import RandomBatches
 
-# Same model, same batch, fp32: our loss and transformers' agree to reassociation.
-LOSS_RTOL = 1e-4
+# Same model, same batch, fp32: our loss and transformers' agree to reassociation (2.8e-8
+# relative measured).
+LOSS_RTOL = 1e-5
 
 
 def _workload(*argv: str) -> tuple[str, int]:

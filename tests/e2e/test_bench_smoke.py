@@ -27,8 +27,9 @@ KEYS = {
     "speedup_vs_single",
     "speedup_vs_single_interval",
 }
-# Same seed, same data, same mathematics: per-step losses agree to fp32 reassociation.
-LOSS_RTOL = 1e-4
+# Same seed, same data, same mathematics: per-step losses agree to fp32 reassociation
+# (1.2e-7 relative measured; docs/architecture.md, Exactness).
+LOSS_RTOL = 1e-5
 EXACT = ["--comm-dtype", "fp32"]  # exact payloads: the losses are compared with single's
 
 

@@ -77,8 +77,9 @@ def test_torchrun_workers_train_like_one_process(tmp_path: Path) -> None:
         )
         == 0
     )
-    # two ranks vs one: only the order of the all-reduce sums differs (fp32)
-    assert _losses(tmp_path / "tr") == pytest.approx(_losses(tmp_path / "one"), rel=1e-4)
+    # two ranks vs one: only the order of the all-reduce sums differs (fp32; equal here,
+    # within 1e-5 by docs/architecture.md, Exactness)
+    assert _losses(tmp_path / "tr") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
 
     # torchrun starts the workers again when a device arrives as the run ends (restart
     # count 0, the same agent) or after a failure (count > 0; here 1): the run has trained

@@ -120,10 +120,11 @@ def test_only_the_coordinator_holds_files(tmp_path: Path) -> None:
     ]
     data = ["--model", str(hub / "model"), "--data", str(hub / "home.jsonl")]
     assert main(["finetune", *args, *data, "--out", str(tmp_path / "one4")]) == 0
-    # two ranks vs one: only the order of the all-reduce sums differs (fp32)
+    # two ranks vs one: only the order of the all-reduce sums differs (fp32; 2.1e-7 relative
+    # measured, docs/architecture.md, Exactness)
     ran, one = _losses(hub / "run"), _losses(tmp_path / "one4")
     assert sorted(ran) == [1, 2, 3, 4]
-    assert [ran[s] for s in ran] == pytest.approx([one[s] for s in ran], rel=1e-4)
+    assert [ran[s] for s in ran] == pytest.approx([one[s] for s in ran], rel=1e-5)
 
     # resume from the coordinator's run directory alone; the device again needs nothing
     _agents(hub, pi, ["--resume", "run", "--steps", "6"])
@@ -136,7 +137,7 @@ def test_only_the_coordinator_holds_files(tmp_path: Path) -> None:
     args = ["--resume", str(tmp_path / "one4"), "--steps", "6"]
     assert main(["finetune", *args]) == 0
     single = _losses(tmp_path / "one4")
-    assert [resumed[5], resumed[6]] == pytest.approx([single[5], single[6]], rel=1e-4)
+    assert [resumed[5], resumed[6]] == pytest.approx([single[5], single[6]], rel=1e-5)
 
     # a pipeline continues the run (the device reads its stage's part of the checkpoint
     # through the coordinator, which writes both stages' files), then tp-even continues
@@ -149,5 +150,5 @@ def test_only_the_coordinator_holds_files(tmp_path: Path) -> None:
     assert main(["finetune", "--resume", str(tmp_path / "one4"), "--steps", "10"]) == 0
     got, single = _losses(hub / "run"), _losses(tmp_path / "one4")
     assert [got[s] for s in range(7, 11)] == pytest.approx(
-        [single[s] for s in range(7, 11)], rel=1e-4
+        [single[s] for s in range(7, 11)], rel=1e-5
     )
