@@ -4,6 +4,7 @@ docs/benchmarks.md, measured by the full scenarios)."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,11 @@ def test_bench_smoke(tmp_path: Path) -> None:
     if ran["strategy"] != "xronos":  # (xronos: its calibrated plan's; a unit test covers it)
         assert auto["predicted_step_time_s"] == pytest.approx(ran["predicted_step_s"])
     assert auto["predicted_step_time_s"] > 0
+    # every shortlisted candidate's timed trial steps, whose median decided
+    trials, steps = auto["auto"]["trials"], auto["auto"]["trial_steps"]
+    assert trials and set(steps) == set(trials)
+    for key, times in steps.items():
+        assert len(times) >= 4 and trials[key] == pytest.approx(statistics.median(times)), key
     # auto against the best other strategy of the run, from the same counted rounds
     against = bench["auto_vs_best_other"]
     medians = {n: e["step_time_s"] for n, e in strategies.items() if n != "auto"}

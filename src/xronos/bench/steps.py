@@ -173,6 +173,7 @@ class Run:
                 "chosen_strategy": opened.ran.strategy,
                 "predicted_best": opened.choice.chosen.strategy,
                 "trials": opened.trials,
+                "trial_steps": opened.trial_steps,
                 "refined": opened.refined,
                 "seconds": opened.seconds,
             }

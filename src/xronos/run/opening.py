@@ -82,7 +82,10 @@ class Opened:
     ran: Candidate | None = None
     """For ``auto``: the candidate that runs (the fastest measured of the shortlist)."""
     trials: dict[str, float] = field(default_factory=dict)
-    """For ``auto``: measured seconds per step of each shortlisted candidate."""
+    """For ``auto``: measured seconds per step of each shortlisted candidate (the median of
+    its timed trial steps)."""
+    trial_steps: dict[str, list[float]] = field(default_factory=dict)
+    """For ``auto``: each shortlisted candidate's timed trial steps, in the order taken."""
     refined: list[dict[str, Any]] = field(default_factory=list)
     """For ``auto``: heterogeneous tensor-parallel plans re-planned from their own trial
     steps and tried too (:meth:`xronos.run.refine.Refinement.to_dict`)."""

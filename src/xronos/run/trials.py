@@ -100,13 +100,14 @@ def open_auto(
         raise UserError("auto: no strategy fits the devices' memory; add memory or devices")
     ranked = sorted(runnable, key=lambda c: c.predicted_step_s)
     shortlist = ranked[:SHORTLIST] if only is None else ranked[:1]
-    trials: dict[str, float] = {}
+    steps: dict[str, list[float]] = {}
     tried: dict[str, Tried] = {}
     refined: list[Refinement] = []
     if len(shortlist) > 1 and spec.trial_steps > 0:
         totals = segment_units(cfg, shape.mlp_chunk, shape.vocab_chunk)
         run = _interleaved if room_for_all(measured, shortlist, totals) else _one_by_one
-        trials, tried, refined = run(spec, ctx, shortlist, measured, first)
+        steps, tried, refined = run(spec, ctx, shortlist, measured, first)
+    trials = {key: statistics.median(ts) for key, ts in steps.items()}
     best = pick(shortlist, trials)
     plan, calibrated = tried.get(_key(best), (None, []))
     session, fresh = open_candidate(spec, ctx, best, measured, first, plan)
@@ -118,6 +119,7 @@ def open_auto(
         choice=choice,
         ran=best,
         trials=trials,
+        trial_steps=steps,
         refined=[r.to_dict() for r in refined],
     )
 
@@ -141,35 +143,37 @@ def _one_by_one(
     shortlist: Sequence[Candidate],
     measured: list[DeviceProfile],
     first: list[Batch],
-) -> tuple[dict[str, float], dict[str, Tried], list[Refinement]]:
+) -> tuple[dict[str, list[float]], dict[str, Tried], list[Refinement]]:
     """Each candidate opened, timed and closed before the next is built (memory allows only
     one at a time): an untimed step, then ``spec.trial_steps`` timed ones; a refined plan
-    (:mod:`xronos.run.refine`) right after the plan it refines, the same way."""
-    trials: dict[str, float] = {}
+    (:mod:`xronos.run.refine`) right after the plan it refines, the same way. Returns each
+    candidate's timed steps, its plan and calibrated profiles, and the refinements."""
+    steps: dict[str, list[float]] = {}
     tried: dict[str, Tried] = {}
     refined: list[Refinement] = []
 
-    def trial(c: Candidate, plan: Plan | None) -> tuple[float, list[StepTimes], Tried]:
+    def trial(c: Candidate, plan: Plan | None) -> tuple[list[float], list[StepTimes], Tried]:
         session, calibrated = open_candidate(spec, ctx, c, measured, first, plan)
         timed = [_timed(session, first, ctx) for _ in range(1 + spec.trial_steps)][1:]
         ran = _plan_of(session, ctx)
         if session is not None:
             session.close()  # a trial's memory is gone before the next one is built
         seen = [t for _, t in timed if t is not None]
-        return statistics.median(t for t, _ in timed), seen, (ran, calibrated)
+        return [t for t, _ in timed], seen, (ran, calibrated)
 
     for c in shortlist:
         key = _key(c)
-        trials[key], seen, tried[key] = trial(c, None)
+        steps[key], seen, tried[key] = trial(c, None)
         r = _refinement(spec, c, measured, tried[key][0], seen)
         if r is None:
             continue
-        after_s, _, _ = trial(c, r.after)
-        r = replace(r, measured_before_s=trials[key], measured_after_s=after_s)
+        after, _, _ = trial(c, r.after)
+        before_s, after_s = statistics.median(steps[key]), statistics.median(after)
+        r = replace(r, measured_before_s=before_s, measured_after_s=after_s)
         refined.append(r)
         if r.kept is r.after:
-            trials[key], tried[key] = after_s, (r.after, tried[key][1])
-    return trials, tried, refined
+            steps[key], tried[key] = after, (r.after, tried[key][1])
+    return steps, tried, refined
 
 
 def _interleaved(
@@ -178,7 +182,7 @@ def _interleaved(
     shortlist: Sequence[Candidate],
     measured: list[DeviceProfile],
     first: list[Batch],
-) -> tuple[dict[str, float], dict[str, Tried], list[Refinement]]:
+) -> tuple[dict[str, list[float]], dict[str, Tried], list[Refinement]]:
     """Every candidate open at once, their steps taken in turn (:func:`_race`). Where a
     heterogeneous tensor-parallel candidate's trial steps call for another plan
     (:mod:`xronos.run.refine`) and the devices' memory holds it beside the others, that
@@ -214,7 +218,7 @@ def _interleaved(
         for session, _ in extra:
             if session is not None:
                 session.close()
-    trials = {_key(c): statistics.median(ts) for c, ts in zip(shortlist, times, strict=True)}
+    steps = {_key(c): ts for c, ts in zip(shortlist, times, strict=True)}
     tried = {
         _key(c): (plan, calibrated)
         for c, plan, (_, calibrated) in zip(shortlist, plans, opened, strict=True)
@@ -222,7 +226,7 @@ def _interleaved(
     for session, _ in opened:
         if session is not None:
             session.close()
-    return trials, tried, refined
+    return steps, tried, refined
 
 
 def _race(
