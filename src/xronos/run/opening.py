@@ -85,7 +85,8 @@ class Opened:
     """For ``auto``: measured seconds per step of each shortlisted candidate (the median of
     its timed trial steps)."""
     trial_steps: dict[str, list[float]] = field(default_factory=dict)
-    """For ``auto``: each shortlisted candidate's timed trial steps, in the order taken."""
+    """For ``auto``: each shortlisted candidate's timed trial steps whose median decided, in
+    the order taken (where a refined plan raced, the steps of that second race)."""
     refined: list[dict[str, Any]] = field(default_factory=list)
     """For ``auto``: heterogeneous tensor-parallel plans re-planned from their own trial
     steps and tried too (:meth:`xronos.run.refine.Refinement.to_dict`)."""
