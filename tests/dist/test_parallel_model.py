@@ -7,8 +7,9 @@ split by query heads; splits that cut a KV group make two ranks hold (and comput
 whose gradients must then be summed between them (a must-fail control checks that the sum
 is needed). Every rank's
 parameters then reassemble into the reference's; for the LoRA adapters the layout is checked
-against the rule of docs/architecture.md (Units and the Plan), and their gradients are reassembled too, both after and (as a
-must-fail control) before the all-reduce of the per-rank partial sums.
+against the rule of docs/architecture.md (Units and the Plan), and their gradients are
+reassembled too, both after and (as a must-fail control) before the all-reduce of the
+per-rank partial sums.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def _forward_backward(ctx: WorkerContext, arg: tuple) -> dict:
 
 
 def _kv_split(name: str) -> bool:
-    """Split along K/V heads: k/v weight and bias, and LoRA B on k/v (docs/architecture.md, Units and the Plan)."""
+    """Split along K/V heads: k/v weight and bias, and LoRA B on k/v (docs/architecture.md,
+    Units and the Plan)."""
     module = name.split(".")[-3] if ".lora_" in name else name.split(".")[-2]
     return module in ("k_proj", "v_proj") and ".lora_A." not in name
 
@@ -154,8 +156,8 @@ def _grad(p: torch.nn.Parameter) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
-#: docs/architecture.md, "LoRA follows its base layer", written out independently of ``shard_spec``: the dim of each
-#: factor's weight that is split (None: replicated). ``lora_A.weight`` is ``[r, in]`` and
+#: docs/architecture.md, "LoRA follows its base layer", written out independently of
+#: ``shard_spec``: the dim of each factor's weight that is split (None: replicated). ``lora_A.weight`` is ``[r, in]`` and
 #: ``lora_B.weight`` is ``[out, r]``: a column-parallel base splits *out* (B's dim 0), a
 #: row-parallel base splits *in* (A's dim 1).
 LORA_SPLIT_DIM = {("column", "A"): None, ("column", "B"): 0, ("row", "A"): 1, ("row", "B"): None}
@@ -290,7 +292,8 @@ def _check_lora(result: dict[str, dict]) -> None:
     # 7 adapted projections x 2 layers x (A, B)
     assert len(result) == 28, sorted(result)
     for n, r in result.items():
-        assert r["spec_follows_rule"] and r["local_shape_ok"], f"{n}: not laid out per the LoRA rule"
+        laid_out = r["spec_follows_rule"] and r["local_shape_ok"]
+        assert laid_out, f"{n}: not laid out per the LoRA rule"
         assert r["params_equal"], f"{n}: the ranks' pieces do not reassemble the reference"
         # same tolerance as every other gradient: fp32 reassociation of the sharded sums
         tol = ATOL + RTOL * r["grad_scale"]

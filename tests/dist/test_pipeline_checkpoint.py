@@ -42,7 +42,8 @@ from xronos.train.tp import TPSession
 
 # Resuming on other ranks or another strategy changes only how partial sums associate
 # (per stage, per shard, per micro-batch), so the continued losses agree with the
-# uninterrupted run to fp32 reassociation (at most 1.1e-7 relative measured; docs/architecture.md, Exactness).
+# uninterrupted run to fp32 reassociation (at most 1.1e-7 relative measured;
+# docs/architecture.md, Exactness).
 # A lost piece of state (AdamW moments, step count, warm-up position, dropout RNG) moves
 # the loss by ≥ 1e-3.
 LOSS_RTOL = 1e-5

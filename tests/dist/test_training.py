@@ -21,12 +21,13 @@ from xronos.planner.plan import Plan
 from xronos.metrics.records import LANE
 from xronos.run.worker import FinetuneJob, WorkerResult, finetune_worker
 
-# Reassociation only (docs/architecture.md, Exactness). Losses agree to about 1e-7 relative (at most 1.6e-7
-# over 20 steps on three uneven ranks); 1e-5 leaves a margin of 60, and a missing all-reduce
-# moved them by 1.2e-4 to 5e-3. Gradient norms are more sensitive: up to 1.9e-5 relative by
-# step 20 of the same run, hence 1e-4. Parameters: Adam divides each update by sqrt(v), so an entry whose gradient is at the fp32
-# noise level can take an update that differs by a fraction of lr (3e-3) from the reference;
-# observed max |Δ| ≈ 3.5e-5 over 20 steps. A missing all-reduce or a wrong slice changes
+# Reassociation only (docs/architecture.md, Exactness). Losses agree to about 1e-7 relative
+# (at most 1.6e-7 over 20 steps on three uneven ranks); 1e-5 leaves a margin of 60, and a
+# missing all-reduce moved them by 1.2e-4 to 5e-3. Gradient norms are more sensitive: up to
+# 1.9e-5 relative by step 20 of the same run, hence 1e-4. Parameters: Adam divides each
+# update by sqrt(v), so an entry whose gradient is at the fp32 noise level can take an
+# update that differs by a fraction of lr (3e-3) from the reference; observed max
+# |Δ| ≈ 3.5e-5 over 20 steps. A missing all-reduce or a wrong slice changes
 # parameters by O(lr) per step (≥ 1e-3), far above 1e-4.
 LOSS_RTOL = 1e-5
 NORM_RTOL = 1e-4
