@@ -11,16 +11,16 @@ import pytest
 
 from tests.dist.world import WorkerContext
 from xronos.comm.mappings import TPGroup
+from xronos.config import ModelConfig
 from xronos.metrics import analyze_pipeline_step, is_pipeline
 from xronos.metrics.records import StepRecord
-from xronos.config import ModelConfig
 from xronos.model.lora import LoRAConfig
 from xronos.planner.hybrid import HybridPlan
 from xronos.planner.pipeline import PipelinePlan
 from xronos.planner.plan import Plan
 from xronos.profiler.measure import Shape
-from xronos.run.sessions import ProfileSource
 from xronos.run.opening import SessionSpec
+from xronos.run.sessions import ProfileSource
 from xronos.run.worker import FinetuneJob, WorkerResult, finetune_worker
 from xronos.train.batches import RandomBatches
 from xronos.train.optim import OptimConfig

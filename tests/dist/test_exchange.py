@@ -24,9 +24,7 @@ OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 def _inputs(rank: int) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own numbers
-    return [
-        (f"{n}/{dt}", torch.randn(n, generator=gen).to(dt)) for n in SIZES for dt in DTYPES
-    ]
+    return [(f"{n}/{dt}", torch.randn(n, generator=gen).to(dt)) for n in SIZES for dt in DTYPES]
 
 
 def _compare(pg: dist.ProcessGroup, rank: int) -> dict[str, Any]:
@@ -42,7 +40,10 @@ def _compare(pg: dist.ProcessGroup, rank: int) -> dict[str, Any]:
         refs = [torch.empty_like(x) for _ in parts]
         exchange.all_gather(parts, x, pg)
         dist.all_gather(refs, x, group=pg)
-        out[f"gather/{key}"] = (parts, all(torch.equal(a, b) for a, b in zip(parts, refs)))
+        out[f"gather/{key}"] = (
+            parts,
+            all(torch.equal(a, b) for a, b in zip(parts, refs, strict=True)),
+        )
     return out
 
 
@@ -57,7 +58,7 @@ def test_two_ranks_exchange_gives_gloos_numbers_on_both_ranks() -> None:
     for key in a:
         assert a[key][1] and b[key][1], key  # equal to gloo's collective, bit for bit
         if key.startswith("gather/"):
-            assert all(torch.equal(x, y) for x, y in zip(a[key][0], b[key][0])), key
+            assert all(torch.equal(x, y) for x, y in zip(a[key][0], b[key][0], strict=True)), key
         else:
             assert torch.equal(a[key][0], b[key][0]), key  # the same on both ranks
     # and it is a reduction of both ranks' inputs, not a copy of one of them
@@ -120,4 +121,3 @@ def _mismatch(ctx: WorkerContext, _: object) -> str:
 def test_a_shape_mismatch_raises_under_distributed_debug() -> None:
     for got in run_world(_mismatch, 2):
         assert "another dtype or shape" in got, got
-

@@ -19,7 +19,6 @@ import torch
 from tests.dist import product
 from tests.dist.world import WorkerContext, run_world
 from xronos.config import ModelConfig
-from xronos.metrics import analyze_pipeline_step, is_pipeline
 from xronos.metrics.recorder import SpanRecorder
 from xronos.model.lora import LoRAConfig
 from xronos.pipeline.layout import StageLayout
@@ -124,7 +123,9 @@ def _assert_same_run(r: WorkerResult, ref: WorkerResult) -> None:
 
 @pytest.mark.slow
 def test_a_tp_stage_in_a_pipeline_matches_single_process() -> None:
-    jobs = {name: _job(tp_first, tied=tied, lora=lora) for name, (tp_first, tied, lora) in CASES.items()}
+    jobs = {
+        name: _job(tp_first, tied=tied, lora=lora) for name, (tp_first, tied, lora) in CASES.items()
+    }
     jobs["control/lora"] = _job(True, tied=False, lora=True)
     jobs["interleaved/tp-last"] = _job(False, tied=True, lora=True)
     per_rank = run_world(_run_cases, 3, jobs, timeout_s=180.0)
@@ -136,7 +137,9 @@ def test_a_tp_stage_in_a_pipeline_matches_single_process() -> None:
                 assert r["losses"] == pytest.approx(ref.losses, rel=LOSS_RTOL), name
                 assert ref.state is not None
                 for key, want in ref.state.items():
-                    torch.testing.assert_close(r["state"][key], want, atol=PARAM_ATOL, rtol=PARAM_RTOL)
+                    torch.testing.assert_close(
+                        r["state"][key], want, atol=PARAM_ATOL, rtol=PARAM_RTOL
+                    )
                 # 4 micro-batches, each a forward and a backward, every step
                 assert all(len(names) == 8 for names in r["replayed"]), r["replayed"]
             continue

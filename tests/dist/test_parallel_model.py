@@ -157,9 +157,9 @@ def _grad(p: torch.nn.Parameter) -> torch.Tensor:
 
 
 #: docs/architecture.md, "LoRA follows its base layer", written out independently of
-#: ``shard_spec``: the dim of each factor's weight that is split (None: replicated). ``lora_A.weight`` is ``[r, in]`` and
-#: ``lora_B.weight`` is ``[out, r]``: a column-parallel base splits *out* (B's dim 0), a
-#: row-parallel base splits *in* (A's dim 1).
+#: ``shard_spec``: the dim of each factor's weight that is split (None: replicated).
+#: ``lora_A.weight`` is ``[r, in]`` and ``lora_B.weight`` is ``[out, r]``: a column-parallel
+#: base splits *out* (B's dim 0), a row-parallel base splits *in* (A's dim 1).
 LORA_SPLIT_DIM = {("column", "A"): None, ("column", "B"): 0, ("row", "A"): 1, ("row", "B"): None}
 COLUMN_BASES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_BASES = ("o_proj", "down_proj")

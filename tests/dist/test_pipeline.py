@@ -9,7 +9,6 @@ loop) and is compared with the same worker on one device (``single``).
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from typing import Any
 
 import pytest
@@ -18,9 +17,8 @@ import torch
 from tests.dist import product
 from tests.dist.world import WorkerContext, run_world
 from xronos.comm.mappings import TPGroup
-from xronos.config import ModelConfig
 from xronos.errors import UserError
-from xronos.metrics import analyze_pipeline_step, is_pipeline, stall_ratio
+from xronos.metrics import stall_ratio
 from xronos.metrics.recorder import SpanRecorder
 from xronos.model.lora import LoRAConfig
 from xronos.pipeline.runner import PipelineRunner

@@ -15,10 +15,10 @@ import torch
 from tests.dist import product
 from tests.dist.world import WorkerContext, run_world
 from xronos.config import ModelConfig
+from xronos.metrics.records import LANE
 from xronos.model.head import CHUNK_TOKENS
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import Plan
-from xronos.metrics.records import LANE
 from xronos.run.worker import FinetuneJob, WorkerResult, finetune_worker
 
 # Reassociation only (docs/architecture.md, Exactness). Losses agree to about 1e-7 relative
@@ -232,8 +232,10 @@ def test_the_head_in_chunks_of_tokens_matches_single_process() -> None:
     computes its vocabulary rows' loss in chunks and the logits again in backward; the run
     stays within the usual tolerance of the single-device run without checkpointing (the
     head's own cross-entropy)."""
-    assert 36 * 15 > CHUNK_TOKENS
+    assert CHUNK_TOKENS < 36 * 15
     plan = Plan.from_shares(CFG, [2.0, 1.0], mlp_chunk=8, vocab_chunk=8)
     chunked = product.recomputing(product.job(CFG, plan=plan, lora=None, steps=6, batch_size=36))
     per_rank = run_world(_variants, 2, [chunked])
-    _assert_same_run([rank[0] for rank in per_rank], product.single(product.recomputing(chunked, False)))
+    _assert_same_run(
+        [rank[0] for rank in per_rank], product.single(product.recomputing(chunked, False))
+    )
