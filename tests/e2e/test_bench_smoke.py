@@ -101,6 +101,15 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert trials and set(steps) == set(trials)
     for key, times in steps.items():
         assert len(times) >= 4 and trials[key] == pytest.approx(statistics.median(times)), key
+    # the fastest collaboration weighed against the device alone round by round (ci-2dev has
+    # no memory caps: the candidates raced in turn), and what ran follows from it
+    weighed = auto["auto"]["against_alone"]
+    if weighed is not None:
+        together, alone = steps[weighed["together"]], steps[weighed["alone"]]
+        rounds = [a / b for a, b in zip(together, alone, strict=True)]
+        assert weighed["paired"] and weighed["ratio"] == pytest.approx(statistics.median(rounds))
+        ran_key = f"{ran['strategy']}:{','.join(map(str, ran['devices']))}"
+        assert ran_key == weighed["together" if weighed["wins"] else "alone"]
     # auto against the best other strategy of the run, from the same counted rounds
     against = bench["auto_vs_best_other"]
     medians = {n: e["step_time_s"] for n, e in strategies.items() if n != "auto"}

@@ -1,9 +1,12 @@
 """``auto``'s trials keep every shortlisted candidate open at once only where each device's
-memory holds the whole model once per candidate it takes part in."""
+memory holds the whole model once per candidate it takes part in, and weigh a collaboration
+against the device alone round by round where both stepped in the same rounds."""
 
 from __future__ import annotations
 
 import math
+
+import pytest
 
 from xronos.config import small
 from xronos.planner.auto import Candidate
@@ -84,3 +87,49 @@ def test_a_collaboration_must_beat_the_device_alone_by_the_margin() -> None:
     assert pick(SHORTLIST, {}) is single  # all predicted at 1.0: the first
     # a device alone that was not tried does not hold a tried collaboration back
     assert pick([xronos, single], {"xronos:0,1": 0.499}) is xronos
+
+
+def test_rounds_weigh_the_collaboration_against_the_device_alone_round_by_round() -> None:
+    from xronos.run.trials import against_alone, pick
+
+    single, xronos, _ = SHORTLIST
+    # The host slows over the race (round factors 1.0, 1.2, 1.4); in round 2 the device
+    # alone stepped in a quiet moment. Each median then comes from another round, and their
+    # ratio (0.54 / 0.52) keeps the device alone, where every other round shows the
+    # collaboration 10 % ahead.
+    rounds = {"xronos:0,1": [0.45, 0.54, 0.63], "single:0": [0.50, 0.52, 0.70]}
+    trials = {k: sorted(v)[1] for k, v in rounds.items()}
+    assert pick(SHORTLIST, trials) is single  # the medians alone
+    weighed = against_alone(SHORTLIST, trials, rounds)
+    assert weighed is not None and weighed.paired and weighed.wins
+    assert weighed.ratio == pytest.approx(0.90)  # the median of 0.90, 1.04, 0.90
+    assert pick(SHORTLIST, trials, rounds) is xronos
+    # level round by round: the device alone, as with the medians
+    level = {"xronos:0,1": [0.50, 0.49, 0.51], "single:0": [0.50, 0.50, 0.50]}
+    trials = {k: sorted(v)[1] for k, v in level.items()}
+    assert pick(SHORTLIST, trials, level) is single
+    # steps not taken in the same rounds (lists of other lengths): the medians' ratio
+    apart = {"xronos:0,1": [0.45, 0.54, 0.63], "single:0": [0.50, 0.52]}
+    weighed = against_alone(SHORTLIST, {"xronos:0,1": 0.54, "single:0": 0.51}, apart)
+    assert weighed is not None and not weighed.paired
+    assert weighed.ratio == pytest.approx(0.54 / 0.51)
+
+
+def test_nothing_to_weigh_unless_a_collaboration_and_a_device_alone_were_tried() -> None:
+    from xronos.run.trials import against_alone
+
+    single, xronos, _ = SHORTLIST
+    assert against_alone([xronos, single], {"xronos:0,1": 0.4}) is None  # alone not tried
+    assert against_alone(SHORTLIST, {"single:0": 0.4}) is None  # no collaboration tried
+    behind = against_alone(SHORTLIST, {"single:0": 0.4, "xronos:0,1": 0.5})
+    assert behind is not None and behind.ratio == pytest.approx(1.25) and not behind.wins
+    weighed = against_alone(SHORTLIST, {"single:0": 0.5, "xronos:0,1": 0.4})
+    assert weighed is not None
+    assert weighed.to_dict() == {
+        "together": "xronos:0,1",
+        "alone": "single:0",
+        "ratio": pytest.approx(0.8),
+        "paired": False,
+        "margin": 0.03,
+        "wins": True,
+    }

@@ -174,6 +174,7 @@ class Run:
                 "predicted_best": opened.choice.chosen.strategy,
                 "trials": opened.trials,
                 "trial_steps": opened.trial_steps,
+                "against_alone": opened.against_alone,
                 "refined": opened.refined,
                 "seconds": opened.seconds,
             }

@@ -11,9 +11,11 @@ def auto_table(
     ran: dict[str, Any],
     trials: dict[str, float] | None = None,
     refined: list[dict[str, Any]] | None = None,
+    against_alone: dict[str, Any] | None = None,
 ) -> str:
     """What ``auto`` predicted for every candidate, fastest first, what it measured of the
-    best few (and of any plan re-planned from its trial steps), and what runs."""
+    best few (and of any plan re-planned from its trial steps), how its fastest
+    collaboration weighed against the fastest device alone, and what runs."""
     names = choice["devices"]
     rows = sorted(
         choice["candidates"],
@@ -37,6 +39,13 @@ def auto_table(
         lines.append(
             f"   {r['candidate']} re-planned from its trial steps ({moved}): measured "
             f"{r['measured_before_s']:.3f} s -> {r['measured_after_s']:.3f} s, kept {r['kept']}"
+        )
+    if against_alone is not None:
+        a = against_alone
+        how = "the median of the rounds' ratios" if a["paired"] else "the ratio of the medians"
+        lines.append(
+            f"   {a['together']} / {a['alone']}: {a['ratio']:.3f} ({how}); a collaboration "
+            f"runs only at {1.0 - a['margin']:.2f} or less"
         )
     lines.append(f"auto runs {ran['strategy']} on [{', '.join(names[r] for r in ran['devices'])}]")
     return "\n".join(lines)

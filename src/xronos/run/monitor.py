@@ -163,7 +163,8 @@ class RunMonitor:
             atomic_write_text(self.run_dir / "plan.json", pplan.to_json())
             self._resumed(ev["strategy"], list(pplan.devices))
         elif kind == "auto":
-            self.say(auto_table(ev["choice"], ev["ran"], ev.get("trials", {}), ev.get("refined")))
+            trials, refined = ev.get("trials", {}), ev.get("refined")
+            self.say(auto_table(ev["choice"], ev["ran"], trials, refined, ev.get("against_alone")))
             atomic_write_text(self.run_dir / "auto.json", json.dumps(ev, indent=2))
         elif kind == "step":
             self._step(ev)

@@ -87,6 +87,9 @@ class Opened:
     trial_steps: dict[str, list[float]] = field(default_factory=dict)
     """For ``auto``: each shortlisted candidate's timed trial steps whose median decided, in
     the order taken (where a refined plan raced, the steps of that second race)."""
+    against_alone: dict[str, Any] | None = None
+    """For ``auto``: its fastest collaboration tried against the fastest device alone
+    (:meth:`xronos.run.trials.AgainstAlone.to_dict`); None where not both were tried."""
     refined: list[dict[str, Any]] = field(default_factory=list)
     """For ``auto``: heterogeneous tensor-parallel plans re-planned from their own trial
     steps and tried too (:meth:`xronos.run.refine.Refinement.to_dict`)."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
-from typing import TypeGuard
+from dataclasses import asdict, dataclass, replace
+from typing import Any, TypeGuard
 
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
@@ -103,12 +103,15 @@ def open_auto(
     steps: dict[str, list[float]] = {}
     tried: dict[str, Tried] = {}
     refined: list[Refinement] = []
+    rounds: dict[str, list[float]] | None = None
     if len(shortlist) > 1 and spec.trial_steps > 0:
         totals = segment_units(cfg, shape.mlp_chunk, shape.vocab_chunk)
         run = _interleaved if room_for_all(measured, shortlist, totals) else _one_by_one
         steps, tried, refined = run(spec, ctx, shortlist, measured, first)
+        rounds = steps if run is _interleaved else None  # one race's steps, round by round
     trials = {key: statistics.median(ts) for key, ts in steps.items()}
-    best = pick(shortlist, trials)
+    best = pick(shortlist, trials, rounds)
+    check = against_alone(shortlist, trials, rounds)
     plan, calibrated = tried.get(_key(best), (None, []))
     session, fresh = open_candidate(spec, ctx, best, measured, first, plan)
     return Opened(
@@ -120,21 +123,71 @@ def open_auto(
         ran=best,
         trials=trials,
         trial_steps=steps,
+        against_alone=check.to_dict() if check is not None else None,
         refined=[r.to_dict() for r in refined],
     )
 
 
-def pick(shortlist: Sequence[Candidate], trials: dict[str, float]) -> Candidate:
-    """The fastest candidate, measured where it was tried (else predicted); a candidate of
-    several devices only if it beats the fastest one-device candidate tried by
-    :data:`ALONE_MARGIN`."""
-    best = min(shortlist, key=lambda c: trials.get(_key(c), c.predicted_step_s))
-    alone = [c for c in shortlist if len(c.devices) == 1 and _key(c) in trials]
-    if len(best.devices) > 1 and _key(best) in trials and alone:
-        solo = min(alone, key=lambda c: trials[_key(c)])
-        if trials[_key(best)] > (1.0 - ALONE_MARGIN) * trials[_key(solo)]:
-            return solo
-    return best
+@dataclass(frozen=True)
+class AgainstAlone:
+    """The fastest collaboration tried, weighed against the fastest device alone tried."""
+
+    together: str
+    """The collaboration (``strategy:ranks``)."""
+    alone: str
+    ratio: float
+    """The collaboration's step over the device alone's: the median of their rounds' ratios
+    where the two stepped in the same rounds (``paired``), else the ratio of their medians."""
+    paired: bool
+
+    @property
+    def wins(self) -> bool:
+        """Whether the collaboration is at least :data:`ALONE_MARGIN` faster."""
+        return self.ratio <= 1.0 - ALONE_MARGIN
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"margin": ALONE_MARGIN, "wins": self.wins}
+
+
+def pick(
+    shortlist: Sequence[Candidate],
+    trials: dict[str, float],
+    rounds: dict[str, list[float]] | None = None,
+) -> Candidate:
+    """The fastest candidate, measured where it was tried (else predicted); but where a
+    collaboration and a device alone were both tried, the fastest collaboration only if it
+    beats the fastest device alone by :data:`ALONE_MARGIN` (:func:`against_alone`), else
+    that device alone."""
+    check = against_alone(shortlist, trials, rounds)
+    if check is None:
+        return min(shortlist, key=lambda c: trials.get(_key(c), c.predicted_step_s))
+    wanted = check.together if check.wins else check.alone
+    return next(c for c in shortlist if _key(c) == wanted)
+
+
+def against_alone(
+    shortlist: Sequence[Candidate],
+    trials: dict[str, float],
+    rounds: dict[str, list[float]] | None = None,
+) -> AgainstAlone | None:
+    """The fastest tried candidate of several devices against the fastest tried one-device
+    candidate; None unless both kinds were tried. With ``rounds`` (every candidate's steps
+    of one interleaved race, step *k* of each taken in the same round) the ratio is the
+    median of the rounds' ratios: a host that slows for a second or two slows both steps of
+    a round, while each candidate's own median may come from another round (replayed on the
+    counted steps of past bench runs, the rounds' ratios missed a collaboration at least 5 %
+    faster about 40 % less often than the medians' ratio; docs/benchmarks.md)."""
+    tried = [c for c in shortlist if _key(c) in trials]
+    together = [c for c in tried if len(c.devices) > 1]
+    alone = [c for c in tried if len(c.devices) == 1]
+    if not together or not alone:
+        return None
+    a, b = (_key(min(cs, key=lambda c: trials[_key(c)])) for cs in (together, alone))
+    x, y = (rounds or {}).get(a, []), (rounds or {}).get(b, [])
+    if x and len(x) == len(y):
+        ratio = statistics.median(p / q for p, q in zip(x, y, strict=True))
+        return AgainstAlone(a, b, ratio, paired=True)
+    return AgainstAlone(a, b, trials[a] / trials[b], paired=False)
 
 
 def _one_by_one(

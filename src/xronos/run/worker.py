@@ -129,6 +129,7 @@ def _emit_plan(ctx: WorkerContext, opened: Opened, profiles: Profiles) -> None:
                 "choice": opened.choice.to_dict(),
                 "ran": opened.ran.to_dict(),
                 "trials": opened.trials,
+                "against_alone": opened.against_alone,
                 "refined": opened.refined,
             }
         )
