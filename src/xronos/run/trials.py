@@ -135,6 +135,7 @@ class AgainstAlone:
     together: str
     """The collaboration (``strategy:ranks``)."""
     alone: str
+    """The device alone (``strategy:rank``)."""
     ratio: float
     """The collaboration's step over the device alone's: the median of their rounds' ratios
     where the two stepped in the same rounds (``paired``), else the ratio of their medians."""
