@@ -4,6 +4,7 @@ devices: the pieces :mod:`xronos.run.sessions` (one strategy) and :mod:`xronos.r
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -81,18 +82,21 @@ class Opened:
     """For ``auto``: every candidate's prediction and the winner."""
     ran: Candidate | None = None
     """For ``auto``: the candidate that runs (the fastest measured of the shortlist)."""
-    trials: dict[str, float] = field(default_factory=dict)
-    """For ``auto``: measured seconds per step of each shortlisted candidate (the median of
-    its timed trial steps)."""
     trial_steps: dict[str, list[float]] = field(default_factory=dict)
-    """For ``auto``: each shortlisted candidate's timed trial steps whose median decided, in
-    the order taken (where a refined plan raced, the steps of that second race)."""
+    """For ``auto``: each shortlisted candidate's timed trial steps, in the order taken
+    (where a refined plan raced, the steps of that second race)."""
     against_alone: dict[str, Any] | None = None
     """For ``auto``: its fastest collaboration tried against the fastest device alone
     (:meth:`xronos.run.trials.AgainstAlone.to_dict`); None where not both were tried."""
     refined: list[dict[str, Any]] = field(default_factory=list)
     """For ``auto``: heterogeneous tensor-parallel plans re-planned from their own trial
     steps and tried too (:meth:`xronos.run.refine.Refinement.to_dict`)."""
+
+    @property
+    def trials(self) -> dict[str, float]:
+        """For ``auto``: measured seconds per step of each shortlisted candidate (the median
+        of its timed trial steps)."""
+        return {key: statistics.median(ts) for key, ts in self.trial_steps.items()}
 
 
 def calibrated_tp(

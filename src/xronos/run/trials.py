@@ -110,8 +110,8 @@ def open_auto(
         steps, tried, refined = run(spec, ctx, shortlist, measured, first)
         rounds = steps if run is _interleaved else None  # one race's steps, round by round
     trials = {key: statistics.median(ts) for key, ts in steps.items()}
-    best = pick(shortlist, trials, rounds)
     check = against_alone(shortlist, trials, rounds)
+    best = _follow(shortlist, trials, check)
     plan, calibrated = tried.get(_key(best), (None, []))
     session, fresh = open_candidate(spec, ctx, best, measured, first, plan)
     return Opened(
@@ -121,7 +121,6 @@ def open_auto(
         calibrated=calibrated or fresh,
         choice=choice,
         ran=best,
-        trials=trials,
         trial_steps=steps,
         against_alone=check.to_dict() if check is not None else None,
         refined=[r.to_dict() for r in refined],
@@ -159,7 +158,13 @@ def pick(
     collaboration and a device alone were both tried, the fastest collaboration only if it
     beats the fastest device alone by :data:`ALONE_MARGIN` (:func:`against_alone`), else
     that device alone."""
-    check = against_alone(shortlist, trials, rounds)
+    return _follow(shortlist, trials, against_alone(shortlist, trials, rounds))
+
+
+def _follow(
+    shortlist: Sequence[Candidate], trials: dict[str, float], check: AgainstAlone | None
+) -> Candidate:
+    """:func:`pick`'s choice, given its weighing (:func:`against_alone`)."""
     if check is None:
         return min(shortlist, key=lambda c: trials.get(_key(c), c.predicted_step_s))
     wanted = check.together if check.wins else check.alone
