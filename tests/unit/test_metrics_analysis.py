@@ -192,6 +192,9 @@ def test_summarize_uses_counted_steps_only() -> None:
     dev = run.to_dict()["per_device"][0]
     assert dev["step_time_s"] == pytest.approx(3.0, abs=TOL)
     assert dev["compute_s"] + dev["transfer_s"] + dev["idle_s"] == pytest.approx(3.0, abs=TOL)
+    # every counted step's compute, per device and in order (the warm-up step left out)
+    assert dev["compute_s_all"] == pytest.approx([0.5, 2.5, 1.5], abs=TOL)
+    assert run.to_dict()["per_device"][1]["compute_s_all"] == pytest.approx([1.5, 3.5, 2.5])
     with pytest.raises(UserError, match="warm-up of 4"):
         summarize([step(0, 1.0, 0.0)] * 4, skip_warmup=4)
 

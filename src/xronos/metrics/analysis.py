@@ -122,6 +122,8 @@ class RunMetrics:
     """Mean over devices of Σ idle / Σ own step time."""
     idle_ratio_max: float
     """Max over devices of the same."""
+    compute_s_all: tuple[tuple[float, ...], ...]
+    """Per device (as ``per_device``): its compute in every counted step, in order."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -129,11 +131,11 @@ class RunMetrics:
             "step_time_s_all": list(self.step_time_s_all),
             "idle_ratio_mean": self.idle_ratio_mean,
             "idle_ratio_max": self.idle_ratio_max,
-            "per_device": [d.to_dict() for d in self.per_device],
+            "per_device": [
+                d.to_dict() | {"compute_s_all": list(c)}
+                for d, c in zip(self.per_device, self.compute_s_all, strict=True)
+            ],
         }
-
-
-# ----------------------------------------------------------------------------- validation
 
 
 def _checked(records: Sequence[StepRecord]) -> list[StepRecord]:
@@ -166,9 +168,6 @@ def _checked(records: Sequence[StepRecord]) -> list[StepRecord]:
 def is_pipeline(records: Iterable[StepRecord]) -> bool:
     """True when the records hold point-to-point waits (``send:``/``recv:`` spans)."""
     return any(s.name.startswith(P2P_PREFIXES) for r in records for s in r.collectives)
-
-
-# ----------------------------------------------------------------------------- splitting
 
 
 def _tp_keys(records: list[StepRecord]) -> list[list[Hashable]]:
@@ -309,9 +308,6 @@ def step_phases(
     return phases
 
 
-# ----------------------------------------------------------------------------- summaries
-
-
 def summarize(steps: Sequence[StepMetrics], skip_warmup: int = 0) -> RunMetrics:
     """Summarise a run, ignoring the first ``skip_warmup`` steps."""
     counted = list(steps)[skip_warmup:]
@@ -352,6 +348,7 @@ def summarize(steps: Sequence[StepMetrics], skip_warmup: int = 0) -> RunMetrics:
         per_device=tuple(means),
         idle_ratio_mean=statistics.fmean(ratios),
         idle_ratio_max=max(ratios),
+        compute_s_all=tuple(tuple(r.compute_s for r in per_rank[k]) for k in ranks),
     )
 
 
