@@ -129,9 +129,9 @@ def test_bench_smoke(tmp_path: Path) -> None:
             assert {"name", "compute_s", "transfer_s", "idle_s"} <= dev.keys()
             assert min(dev["compute_s"], dev["transfer_s"], dev["idle_s"]) >= 0
             # the mean is over the counted steps, whose computes are listed one by one
-            steps = dev["compute_s_all"]
-            assert len(steps) == len(entry["step_time_s_all"]), name
-            assert statistics.fmean(steps) == pytest.approx(dev["compute_s"]), name
+            computes = dev["compute_s_all"]
+            assert len(computes) == len(entry["step_time_s_all"]), name
+            assert statistics.fmean(computes) == pytest.approx(dev["compute_s"]), name
     # ci-2dev: "fast" at full quota, "slow" at 40 %: the slow device gets fewer units
     plan = strategies["xronos"]["plan"]
     assert plan["devices"] == ["fast", "slow"]

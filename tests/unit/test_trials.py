@@ -77,16 +77,16 @@ def test_a_collaboration_must_beat_the_device_alone_by_the_margin() -> None:
     alone = 0.500
     just = alone * (1.0 - ALONE_MARGIN)
     # ahead, but by less than the margin: one device alone
-    assert pick(SHORTLIST, {"single:0": alone, "xronos:0,1": just + 1e-4}) is single
+    assert pick(SHORTLIST, {"single:0": alone, "xronos:0,1": just + 1e-4})[0] is single
     # ahead by more than the margin: the collaboration
-    assert pick(SHORTLIST, {"single:0": alone, "xronos:0,1": just - 1e-4}) is xronos
+    assert pick(SHORTLIST, {"single:0": alone, "xronos:0,1": just - 1e-4})[0] is xronos
     # the fastest of the collaborations is the one weighed
     times = {"single:0": alone, "xronos:0,1": 0.49, "tp-even:0,1": 0.40}
-    assert pick(SHORTLIST, times) is even
+    assert pick(SHORTLIST, times)[0] is even
     # nothing tried: the prediction decides, with no margin
-    assert pick(SHORTLIST, {}) is single  # all predicted at 1.0: the first
+    assert pick(SHORTLIST, {})[0] is single  # all predicted at 1.0: the first
     # a device alone that was not tried does not hold a tried collaboration back
-    assert pick([xronos, single], {"xronos:0,1": 0.499}) is xronos
+    assert pick([xronos, single], {"xronos:0,1": 0.499})[0] is xronos
 
 
 def test_rounds_weigh_the_collaboration_against_the_device_alone_round_by_round() -> None:
@@ -99,15 +99,15 @@ def test_rounds_weigh_the_collaboration_against_the_device_alone_round_by_round(
     # collaboration 10 % ahead.
     rounds = {"xronos:0,1": [0.45, 0.54, 0.63], "single:0": [0.50, 0.52, 0.70]}
     trials = {k: sorted(v)[1] for k, v in rounds.items()}
-    assert pick(SHORTLIST, trials) is single  # the medians alone
+    assert pick(SHORTLIST, trials)[0] is single  # the medians alone
     weighed = against_alone(SHORTLIST, trials, rounds)
     assert weighed is not None and weighed.paired and weighed.wins
     assert weighed.ratio == pytest.approx(0.90)  # the median of 0.90, 1.04, 0.90
-    assert pick(SHORTLIST, trials, rounds) is xronos
+    assert pick(SHORTLIST, trials, rounds)[0] is xronos
     # level round by round: the device alone, as with the medians
     level = {"xronos:0,1": [0.50, 0.49, 0.51], "single:0": [0.50, 0.50, 0.50]}
     trials = {k: sorted(v)[1] for k, v in level.items()}
-    assert pick(SHORTLIST, trials, level) is single
+    assert pick(SHORTLIST, trials, level)[0] is single
     # steps not taken in the same rounds (lists of other lengths): the medians' ratio
     apart = {"xronos:0,1": [0.45, 0.54, 0.63], "single:0": [0.50, 0.52]}
     weighed = against_alone(SHORTLIST, {"xronos:0,1": 0.54, "single:0": 0.51}, apart)

@@ -110,8 +110,7 @@ def open_auto(
         steps, tried, refined = run(spec, ctx, shortlist, measured, first)
         rounds = steps if run is _interleaved else None  # one race's steps, round by round
     trials = {key: statistics.median(ts) for key, ts in steps.items()}
-    check = against_alone(shortlist, trials, rounds)
-    best = _follow(shortlist, trials, check)
+    best, check = pick(shortlist, trials, rounds)
     plan, calibrated = tried.get(_key(best), (None, []))
     session, fresh = open_candidate(spec, ctx, best, measured, first, plan)
     return Opened(
@@ -153,22 +152,16 @@ def pick(
     shortlist: Sequence[Candidate],
     trials: dict[str, float],
     rounds: dict[str, list[float]] | None = None,
-) -> Candidate:
+) -> tuple[Candidate, AgainstAlone | None]:
     """The fastest candidate, measured where it was tried (else predicted); but where a
     collaboration and a device alone were both tried, the fastest collaboration only if it
-    beats the fastest device alone by :data:`ALONE_MARGIN` (:func:`against_alone`), else
-    that device alone."""
-    return _follow(shortlist, trials, against_alone(shortlist, trials, rounds))
-
-
-def _follow(
-    shortlist: Sequence[Candidate], trials: dict[str, float], check: AgainstAlone | None
-) -> Candidate:
-    """:func:`pick`'s choice, given its weighing (:func:`against_alone`)."""
+    beats the fastest device alone by :data:`ALONE_MARGIN`, else that device alone. And that
+    weighing (:func:`against_alone`; None where not both kinds were tried)."""
+    check = against_alone(shortlist, trials, rounds)
     if check is None:
-        return min(shortlist, key=lambda c: trials.get(_key(c), c.predicted_step_s))
+        return min(shortlist, key=lambda c: trials.get(_key(c), c.predicted_step_s)), None
     wanted = check.together if check.wins else check.alone
-    return next(c for c in shortlist if _key(c) == wanted)
+    return next(c for c in shortlist if _key(c) == wanted), check
 
 
 def against_alone(
