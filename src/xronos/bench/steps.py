@@ -21,6 +21,7 @@ from xronos.metrics.rss import PeakRSS, release, resident_bytes
 from xronos.planner.profile import DeviceProfile
 from xronos.run.opening import Opened, SessionSpec
 from xronos.run.rebalance import Rebalancer
+from xronos.run.rounds import round_order
 from xronos.run.sessions import ProfileSource, open_session
 from xronos.train.batches import Batch, RandomBatches, label_count
 from xronos.train.loop import STEP_END, Leave, run_step
@@ -286,12 +287,11 @@ class Run:
         solo = self._solo(runs, solo_ok)
         solo_times = SoloTimes.empty(ctx.world_size)
         ok = (self._solo_ranks(runs, solo_ok), solo_ok)
-        data, micro, n = self._data(), [], max(len(runs), 1)
+        data, micro = self._data(), []
         step = 0
         while step < self.warmup + job.steps:  # a warm-up move may lengthen the warm-up
             micro = data.next_step()
-            k = step % n
-            for s in runs[k:] + runs[:k]:
+            for s in (runs[i] for i in round_order(len(runs), step)):
                 self.starts.setdefault(s, resident_bytes())
                 self.peak.reset()
                 sessions[s] = self._step(s, sessions[s], micro, step)

@@ -1,10 +1,11 @@
 """``xronos bench`` inside the workers: every strategy on the same processes, interleaved.
 
 All strategies live in the same device processes (so in the same emulated limits) and
-take turns step by step, the order rotating each round, so that drift of the machine
-hits all of them alike. Each strategy's step is the loop's own :func:`run_step` on the
-strategy's session; it starts after a barrier that is not timed. ``single`` runs the
-whole model on the fastest device while the others wait.
+take turns step by step, each round in the order of a Williams design
+(:func:`~xronos.run.rounds.round_order`), so that drift of the machine hits all of them
+alike and no strategy always follows the same one. Each strategy's step is the loop's own
+:func:`run_step` on the strategy's session; it starts after a barrier that is not timed.
+``single`` runs the whole model on the fastest device while the others wait.
 
 A multi-device step ends with one more, timed collective (``step.end``): in a real run
 the next step's first collective is where a device that finished its optimizer update

@@ -22,6 +22,7 @@ from xronos.planner.plan import Plan, segment_units
 from xronos.planner.profile import DeviceProfile, on_the_wire
 from xronos.run.opening import Opened, SessionSpec, open_candidate, wire_bytes
 from xronos.run.refine import Refinement, StepTimes, refine
+from xronos.run.rounds import round_order
 from xronos.train.batches import Batch
 from xronos.train.session import Session, Strategy
 from xronos.train.tp import TPSession
@@ -287,18 +288,18 @@ def _race(
     sessions: Sequence[Session | None],
     first: list[Batch],
 ) -> tuple[list[list[float]], list[list[StepTimes]]]:
-    """Steps of every session in turn (the order rotating each round, the first round
-    untimed): a host whose speed drifts over seconds slows them alike, where one after the
-    other it would favour whichever ran in a quiet moment. While the two best are within
-    :data:`CLOSE` of each other, more rounds follow, up to :data:`MORE_ROUNDS` times
-    ``spec.trial_steps`` (every rank sees the same times, the slowest rank's, so all decide
-    alike). Returns each session's step times and, for a heterogeneous tensor-parallel
+    """Steps of every session in turn (rounds in :func:`~xronos.run.rounds.round_order`,
+    the first untimed): a host whose speed drifts over seconds slows them alike, where one
+    after the other it would favour whichever ran in a quiet moment. While the two best
+    are within :data:`CLOSE` of each other, more rounds follow, up to :data:`MORE_ROUNDS`
+    times ``spec.trial_steps`` (every rank sees the same times, the slowest rank's, so all
+    decide alike). Returns each session's step times and, for a heterogeneous tensor-parallel
     one, what each of its timed steps measured per segment."""
     times: list[list[float]] = [[] for _ in sessions]
     seen: list[list[StepTimes]] = [[] for _ in sessions]
     k = 0
     while k <= spec.trial_steps or (k <= MORE_ROUNDS * spec.trial_steps and _close(times)):
-        for i in _rotated(len(sessions), k):
+        for i in round_order(len(sessions), k):
             t, segments = _timed(sessions[i], first, ctx)
             if k:
                 times[i].append(t)
@@ -312,10 +313,6 @@ def _close(times: Sequence[Sequence[float]]) -> bool:
     """Whether the two fastest medians so far are within :data:`CLOSE` of each other."""
     a, b = sorted(statistics.median(ts) for ts in times)[:2]
     return b < a * (1.0 + CLOSE)
-
-
-def _rotated(n: int, k: int) -> list[int]:
-    return [(k + i) % n for i in range(n)]
 
 
 def room_for_all(
