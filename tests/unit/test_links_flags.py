@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from xronos.cli import build_parser
+from xronos.cli import build_parser, main
 from xronos.emulation import ClusterSpec, DeviceSpec, Emulator, load_cluster
 from xronos.emulation import netns as netns_mod
 from xronos.emulation.cluster import LinkRequest, link_from_flags
@@ -112,6 +112,23 @@ def test_bench_flags() -> None:
     )
     assert (args.bandwidth, args.latency, args.no_network) == ("1Gbit", "2ms", True)
     assert build_parser().parse_args(["bench"]).no_network is False
+
+
+def test_profile_takes_the_link_flags_and_refuses_contradictions(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # `xronos profile` measures the links a run would talk over, so it takes the same flags
+    args = build_parser().parse_args(["profile", "--bandwidth", "200Mbit", "--latency", "2ms"])
+    assert (args.bandwidth, args.latency, args.no_network) == ("200Mbit", "2ms", False)
+    # contradictions stop before anything is measured: one line, non-zero exit
+    for argv, needle in (
+        (["--bandwidth", "1Gbit", "--no-network"], "--no-network switches links off"),
+        (["--latency", "2ms", "--no-emulation"], "drop --no-emulation"),
+        (["--bandwidth", "fast"], "--bandwidth: cannot read 'fast'"),
+    ):
+        assert main(["profile", "--model", "tiny", *argv]) != 0
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err, err
 
 
 # ----------------------------------------------------------------------------- report

@@ -14,7 +14,7 @@ from xronos.bench.crossover import EXAMPLE, parse_links
 from xronos.bench.report import build_report, write_outputs
 from xronos.bench.scenarios import SCENARIOS, Scenario, get_scenario
 from xronos.bench.worker import BenchJob, BenchOutput, bench_worker
-from xronos.cli.common import add_comm_dtype_arg
+from xronos.cli.common import add_comm_dtype_arg, add_link_args
 from xronos.emulation import load_cluster
 from xronos.emulation.cluster import LinkRequest
 from xronos.errors import UserError
@@ -78,21 +78,7 @@ def register(sub: Any) -> None:
         help="every block keeps only its inputs and computes the rest again in backward",
     )
     p.add_argument("--no-emulation", action="store_true", help="run without device limits")
-    p.add_argument(
-        "--bandwidth",
-        metavar="RATE",
-        help="give every device a link of this bandwidth, e.g. 1Gbit, 200Mbit (network on)",
-    )
-    p.add_argument(
-        "--latency",
-        metavar="T",
-        help="give every device a link of this one-way latency, e.g. 2ms (network on)",
-    )
-    p.add_argument(
-        "--no-network",
-        action="store_true",
-        help="do not emulate the links the cluster declares (devices talk over loopback)",
-    )
+    add_link_args(p)
     p.add_argument(
         "--links",
         metavar="LINK,...",
@@ -244,6 +230,7 @@ def bench_once(
         emulate=not args.no_emulation,
         cpu_period_us=int(args.cpu_period_ms * 1000),
         cpu_limit=args.cpu_limit,
+        network=link.network,
     )
     keys = tuple(profile_key(c, shape) for c in context)
     cached = None if args.no_cache else load_cached(list(keys))

@@ -47,3 +47,23 @@ def add_model_arg(p: argparse.ArgumentParser, default: str | None = "tiny") -> N
         help="preset name (tiny, small), Hugging Face model directory or .gguf file "
         "(default: %(default)s)",
     )
+
+
+def add_link_args(p: argparse.ArgumentParser) -> None:
+    """``--bandwidth``, ``--latency`` and ``--no-network``, as ``xronos bench`` and ``xronos
+    profile`` take them (:meth:`~xronos.emulation.cluster.LinkRequest.from_flags`)."""
+    p.add_argument(
+        "--bandwidth",
+        metavar="RATE",
+        help="give every device a link of this bandwidth, e.g. 1Gbit, 200Mbit (network on)",
+    )
+    p.add_argument(
+        "--latency",
+        metavar="T",
+        help="give every device a link of this one-way latency, e.g. 2ms (network on)",
+    )
+    p.add_argument(
+        "--no-network",
+        action="store_true",
+        help="do not emulate the links the cluster declares (devices talk over loopback)",
+    )

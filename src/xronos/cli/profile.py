@@ -7,8 +7,9 @@ import sys
 import time
 from typing import Any
 
-from xronos.cli.common import add_model_arg
+from xronos.cli.common import add_link_args, add_model_arg
 from xronos.emulation import load_cluster
+from xronos.emulation.cluster import LinkRequest
 from xronos.errors import UserError
 from xronos.model.lora import LoRAConfig
 from xronos.planner.plan import default_mlp_chunk, default_vocab_chunk
@@ -36,6 +37,7 @@ def register(sub: Any) -> None:
     p.add_argument("--out", default="profile.json", help="default: %(default)s")
     p.add_argument("--no-cache", action="store_true", help="measure even if cached")
     p.add_argument("--no-emulation", action="store_true", help="run without device limits")
+    add_link_args(p)
     p.set_defaults(run=run)
 
 
@@ -57,12 +59,20 @@ def shape_for(
 
 
 def run(args: argparse.Namespace) -> int:
-    cluster = load_cluster(args.cluster)
+    link = LinkRequest.from_flags(False if args.no_network else None, args.bandwidth, args.latency)
+    if args.no_emulation and link.network:
+        raise UserError(
+            "--bandwidth/--latency: emulated links need device emulation; drop --no-emulation"
+        )
+    cluster = link.apply(load_cluster(args.cluster))
     shape = shape_for(
         args.model, args.batch_size, args.seq_len, args.lora_rank, args.gradient_checkpointing
     )
     context = measurement_context(
-        cluster, emulate=not args.no_emulation, cpu_period_us=DEFAULT_CPU_PERIOD_US
+        cluster,
+        emulate=not args.no_emulation,
+        cpu_period_us=DEFAULT_CPU_PERIOD_US,
+        network=link.network,
     )
     keys = [profile_key(c, shape) for c in context]
     t0 = time.perf_counter()
@@ -70,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     cached = profiles is not None
     if profiles is None:
         jobs = [(shape, d.memory_bytes, k) for d, k in zip(cluster.devices, keys, strict=True)]
-        out = run_on_cluster(profile_worker, jobs, cluster, emulate=not args.no_emulation)
+        out = run_on_cluster(
+            profile_worker, jobs, cluster, emulate=not args.no_emulation, network=link.network
+        )
         profiles = [DeviceProfile.from_dict(d) for d in out]
         store_cached(profiles)
     meta = {

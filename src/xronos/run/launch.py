@@ -44,13 +44,25 @@ def _cpu_model() -> str:
 
 
 def measurement_context(
-    cluster: ClusterSpec, *, emulate: bool, cpu_period_us: int, cpu_limit: str = "auto"
+    cluster: ClusterSpec,
+    *,
+    emulate: bool,
+    cpu_period_us: int,
+    cpu_limit: str = "auto",
+    network: bool | None = None,
 ) -> list[dict[str, Any]]:
     """Per device, everything besides the workload that changes what profiling measures:
     its spec (cores, quota, memory, link), the Xronos version, whether and how it is
     emulated (CPU limit and period), the host's CPU model and which other devices share its CPUs.
-    A profile is only reused under the same context (it goes into the cache key)."""
+    A profile is only reused under the same context (it goes into the cache key).
+
+    ``network`` as :func:`run_on_cluster` takes it: where the links are not emulated
+    (``False``, or no device emulation) every device's link is loopback, whatever the
+    cluster declares, so that a profile measured over loopback is never reused for the
+    declared links, nor the other way round."""
     from xronos import __version__
+
+    links = emulate and (cluster.has_links if network is None else network)
 
     cpus = assign_cpus(
         [d.cores for d in cluster.devices],
@@ -60,9 +72,10 @@ def measurement_context(
     out = []
     for d, others in zip(cluster.devices, cpu_sharers(cpus), strict=True):
         sharing = [cluster.devices[j].name for j in others]
+        spec = d.to_dict() if links else {**d.to_dict(), "bandwidth_bps": None, "latency_s": None}
         out.append(
             {
-                **d.to_dict(),
+                **spec,
                 "xronos": __version__,
                 "emulated": emulate,
                 "cpu_period_us": cpu_period_us if emulate else None,
@@ -72,7 +85,7 @@ def measurement_context(
                 "cpu_model": _cpu_model(),
                 "shares_cpus_with": sorted(sharing) if emulate else [],
                 # a shaped link's bucket decides what a message costs (earlier: 2 ms)
-                "link_bucket_s": BUCKET_S if d.bandwidth_bps is not None else None,
+                "link_bucket_s": BUCKET_S if spec["bandwidth_bps"] is not None else None,
             }
         )
     return out

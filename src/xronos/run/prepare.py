@@ -177,7 +177,12 @@ def prepare(cfg: RunConfig, cluster: ClusterSpec | None = None) -> Prepared:
         lora=source.lora,
         recompute=source.recompute,
     )
-    context = measurement_context(cluster, emulate=cfg.emulate, cpu_period_us=DEFAULT_CPU_PERIOD_US)
+    context = measurement_context(
+        cluster,
+        emulate=cfg.emulate,
+        cpu_period_us=DEFAULT_CPU_PERIOD_US,
+        network=cfg.link().network,
+    )
     keys = tuple(profile_key(c, shape) for c in context)
     cached = load_cached(list(keys))
     eos = tuple(i for i in (tok.eos_id,) if i is not None)
