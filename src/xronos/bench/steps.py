@@ -4,14 +4,13 @@ its isolated replay, the solo steps, and the two schedules that order them (see
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from xronos.bench import solo as solo_steps
 from xronos.bench.progress import Progress
-from xronos.bench.solo import SoloTimes, median_or_none
+from xronos.bench.solo import SoloTimes
 from xronos.comm.iothreads import restored
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
@@ -29,8 +28,10 @@ from xronos.train.session import Session, Strategy
 from xronos.train.tp import TPSession, compute_gaps
 
 ISOLATED_REPEATS = 3
-"""Isolated re-runs of the last step per strategy; the stall ratio compares the mean
-isolated span with the mean of the same span over every counted step."""
+"""Pairs per strategy after its counted steps: one more step (not counted) and at once its
+isolated re-run. The stall ratio compares each pair's two halves, a few seconds apart: set
+against the mean of every counted step, re-runs timed at the end read the host's drift over
+the run (``single``, which sends nothing, read 6-14 % of "stall")."""
 SETTLE = 2
 """Warm-up steps after a move in the warm-up (a fresh shard's first steps run slow)."""
 MORE_WARMUP = 24
@@ -80,9 +81,9 @@ class StrategyLog:
     """Every rank's record, per step."""
     losses: list[float] = field(default_factory=list)
     observed: list[Span] = field(default_factory=list)
-    """Compute spans of the counted steps, every rank's."""
+    """Compute spans of the paired steps (:data:`ISOLATED_REPEATS`), every rank's."""
     isolated: list[Span] = field(default_factory=list)
-    """The same spans with no communication in flight, every rank's."""
+    """The same spans re-run with no communication in flight, every rank's."""
     plan: dict[str, object] = field(default_factory=dict)
     """What the session describes (a Plan or a PipelinePlan as a dict)."""
     tokens: int = 0
@@ -213,7 +214,7 @@ class Run:
         """One step of ``s``; the session to go on with (a new one where the warm-up's
         balance check moved it to another plan)."""
         counted = step >= self.warmup
-        records = _step(session, micro, self.ctx, self.logs[s], counted=counted)
+        records = _step(session, micro, self.ctx, self.logs[s])
         if self.io_restored is None and restored():
             self.io_restored = f"step {step} of {s.value}"
         mover = self.movers.get(s)
@@ -228,9 +229,12 @@ class Run:
         self.warmup = max(self.warmup, min(longer, self.job.warmup + MORE_WARMUP))
         return None if isinstance(fresh, Leave) else fresh or session
 
-    def _finish(self, s: Strategy, session: Session | None, micro: list[Batch], iso: bool) -> None:
+    def _finish(self, s: Strategy, session: Session | None, iso: bool) -> None:
         if iso:
-            _isolated(session, micro, self.ctx, self.logs[s])
+            log = self.logs[s]
+            both = self.ctx.group.gather_object((log.observed, log.isolated))
+            log.observed = [x for o, _ in both for x in o]
+            log.isolated = [x for _, i in both for x in i]
         described = self.ctx.group.gather_object(session.describe() if session else None)
         self.logs[s].plan = next(d for d in described if d is not None)
         moved = self.ctx.group.gather_object(self.logs[s].moves)
@@ -304,9 +308,13 @@ class Run:
             self.progress.step(step, self.warmup + job.steps, self.warmup)
         if solo is not None:
             solo.close()
+        for r in range(ISOLATED_REPEATS):
+            micro = data.next_step()
+            for s in (runs[i] for i in round_order(len(runs), r)):
+                _paired(sessions[s], micro, self.ctx, self.logs[s])
         for s in runs:
             self.logs[s].warmup = self.warmup
-            self._finish(s, sessions[s], micro, iso=True)
+            self._finish(s, sessions[s], iso=True)
         return solo_times
 
     def in_turn(self, runs: tuple[Strategy, ...], solo_ok: list[bool]) -> SoloTimes:
@@ -323,7 +331,9 @@ class Run:
                 micro = data.next_step()
                 session = self._step(s, session, micro, step)
                 self.progress.step(step + 1, job.warmup + job.steps, job.warmup, f"{s.value}: ")
-            self._finish(s, session, micro, iso=s.is_pipeline)
+            for _ in range(ISOLATED_REPEATS if s.is_pipeline else 0):
+                _paired(session, data.next_step(), ctx, self.logs[s])
+            self._finish(s, session, iso=s.is_pipeline)
             self.peaks[s] = self.peak.peak_bytes()
             del session
             release()
@@ -340,22 +350,16 @@ class Run:
         return solo_times
 
 
-def solo_medians(
-    times: list[list[float]], logs: dict[Strategy, StrategyLog], job: BenchJob
-) -> list[float | None]:
-    out = [median_or_none(t) for t in times]
-    single = logs.get(Strategy.SINGLE)
-    if single is not None and single.records:
-        counted = [r[0].duration for r in single.records[single.warmup :] if r]
-        out[job.fastest] = statistics.median(counted) if counted else None
-    return out
-
-
 def _step(
-    session: Session | None, micro: list[Batch], ctx: WorkerContext, log: StrategyLog, counted: bool
+    session: Session | None,
+    micro: list[Batch],
+    ctx: WorkerContext,
+    log: StrategyLog,
+    paired: bool = False,
 ) -> list[StepRecord]:
     """One step of one strategy on every rank (those without a part in it wait); the
-    session's records of it, every rank of its group's (none where it has no part)."""
+    session's records of it, every rank of its group's (none where it has no part).
+    ``paired``: a step for the stall ratio (:func:`_paired`), kept apart from the others."""
     group = ctx.group
     group.barrier()
     rec = SpanRecorder(ctx.rank, ctx.device, enabled=session is not None)
@@ -369,28 +373,25 @@ def _step(
         loss, records = outcome.result.loss, outcome.records
         own_records = records
         mine = next((r for r in records if r.rank == ctx.rank), None)
-        if mine is not None and counted:
+        if mine is not None and paired:
             log.observed += _observed(session, mine, ctx.rank)
     if session is None or session.group.size < group.size:  # some ranks had no part
         records = [r for r in group.gather_object(mine) if r is not None]
         loss = next(x for x in group.gather_object(loss) if x == x)
-    if ctx.rank == 0:
+    if ctx.rank == 0 and not paired:
         log.records.append(records)
         log.losses.append(loss)
         log.tokens = label_count(micro)
     return own_records
 
 
-def _isolated(
+def _paired(
     session: Session | None, micro: list[Batch], ctx: WorkerContext, log: StrategyLog
 ) -> None:
-    spans: list[Span] = []
-    for _ in range(ISOLATED_REPEATS):
-        ctx.group.barrier()
-        if session is not None:
-            got = session.isolated_compute(micro)
-            spans += got if not session.strategy.is_pipeline else _ranked(got, ctx.rank)
-    both = ctx.group.gather_object((log.observed, spans))
-    if ctx.rank == 0:
-        log.observed = [s for o, _ in both for s in o]
-        log.isolated = [s for _, i in both for s in i]
+    """One more step of a strategy, not counted, and at once its isolated re-run on the same
+    batch (:data:`ISOLATED_REPEATS`): this rank's halves of a pair go to ``log``."""
+    _step(session, micro, ctx, log, paired=True)
+    ctx.group.barrier()
+    if session is not None:
+        got = session.isolated_compute(micro)
+        log.isolated += got if not session.strategy.is_pipeline else _ranked(got, ctx.rank)

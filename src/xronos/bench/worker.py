@@ -44,6 +44,7 @@ that can hold the whole model.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -56,7 +57,7 @@ from xronos.bench.memory import (
 )
 from xronos.bench.progress import Progress
 from xronos.bench.solo import median_or_none
-from xronos.bench.steps import BenchJob, Run, StrategyLog, solo_medians, times_together
+from xronos.bench.steps import BenchJob, Run, StrategyLog, times_together
 from xronos.comm.iothreads import restored
 from xronos.comm.launch import WorkerContext
 from xronos.metrics.rss import (
@@ -230,6 +231,17 @@ def bench_worker(ctx: WorkerContext, job: BenchJob) -> BenchOutput | None:
         strategies=job.strategies,
         io_restored=io_restored,
     )
+
+
+def solo_medians(
+    times: list[list[float]], logs: dict[Strategy, StrategyLog], job: BenchJob
+) -> list[float | None]:
+    out = [median_or_none(t) for t in times]
+    single = logs.get(Strategy.SINGLE)
+    if single is not None and single.records:
+        counted = [r[0].duration for r in single.records[single.warmup :] if r]
+        out[job.fastest] = statistics.median(counted) if counted else None
+    return out
 
 
 def _predicted_memory(
