@@ -28,10 +28,10 @@ from xronos.train.session import Session, Strategy
 from xronos.train.tp import TPSession, compute_gaps
 
 ISOLATED_REPEATS = 3
-"""Pairs per strategy after its counted steps: one more step (not counted) and at once its
-isolated re-run. The stall ratio compares each pair's two halves, a few seconds apart: set
-against the mean of every counted step, re-runs timed at the end read the host's drift over
-the run (``single``, which sends nothing, read 6-14 % of "stall")."""
+"""Pairs per strategy after its counted steps: one more step and at once its isolated re-run,
+compared half with half (against every counted step, re-runs timed at the end read the
+host's drift: ``single``, which sends nothing, read 6-14 % of stall). A first round is not
+kept: it builds the twins, after which a step runs slow (``single``'s 1.1 s against 0.5)."""
 SETTLE = 2
 """Warm-up steps after a move in the warm-up (a fresh shard's first steps run slow)."""
 MORE_WARMUP = 24
@@ -308,10 +308,10 @@ class Run:
             self.progress.step(step, self.warmup + job.steps, self.warmup)
         if solo is not None:
             solo.close()
-        for r in range(ISOLATED_REPEATS):
+        for r in range(ISOLATED_REPEATS + 1):
             micro = data.next_step()
             for s in (runs[i] for i in round_order(len(runs), r)):
-                _paired(sessions[s], micro, self.ctx, self.logs[s])
+                _paired(sessions[s], micro, self.ctx, self.logs[s], keep=r > 0)
         for s in runs:
             self.logs[s].warmup = self.warmup
             self._finish(s, sessions[s], iso=True)
@@ -331,8 +331,8 @@ class Run:
                 micro = data.next_step()
                 session = self._step(s, session, micro, step)
                 self.progress.step(step + 1, job.warmup + job.steps, job.warmup, f"{s.value}: ")
-            for _ in range(ISOLATED_REPEATS if s.is_pipeline else 0):
-                _paired(session, data.next_step(), ctx, self.logs[s])
+            for r in range(ISOLATED_REPEATS + 1 if s.is_pipeline else 0):
+                _paired(session, data.next_step(), ctx, self.logs[s], keep=r > 0)
             self._finish(s, session, iso=s.is_pipeline)
             self.peaks[s] = self.peak.peak_bytes()
             del session
@@ -386,12 +386,15 @@ def _step(
 
 
 def _paired(
-    session: Session | None, micro: list[Batch], ctx: WorkerContext, log: StrategyLog
+    session: Session | None, micro: list[Batch], ctx: WorkerContext, log: StrategyLog, keep: bool
 ) -> None:
     """One more step of a strategy, not counted, and at once its isolated re-run on the same
-    batch (:data:`ISOLATED_REPEATS`): this rank's halves of a pair go to ``log``."""
+    batch (:data:`ISOLATED_REPEATS`): this rank's halves of a pair go to ``log`` if kept."""
+    n, m = len(log.observed), len(log.isolated)
     _step(session, micro, ctx, log, paired=True)
     ctx.group.barrier()
     if session is not None:
         got = session.isolated_compute(micro)
         log.isolated += got if not session.strategy.is_pipeline else _ranked(got, ctx.rank)
+    if not keep:
+        del log.observed[n:], log.isolated[m:]
