@@ -30,7 +30,7 @@ from xronos.train.tp import TPSession, compute_gaps
 ISOLATED_REPEATS = 3
 """Pairs per strategy after its counted steps: one more step and at once its isolated re-run,
 compared half with half (against every counted step, re-runs timed at the end read the
-host's drift: ``single``, which sends nothing, read 6-14 % of stall). A first round is not
+host's drift: ``single``, which sends nothing, read 3-14 % of stall). A first round is not
 kept: it builds the twins, after which a step runs slow (``single``'s 1.1 s against 0.5)."""
 SETTLE = 2
 """Warm-up steps after a move in the warm-up (a fresh shard's first steps run slow)."""
