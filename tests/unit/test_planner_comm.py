@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -241,3 +242,24 @@ def test_weight_gradients_hide_the_backward_seams_up_to_their_share() -> None:
         )
     assert capped[1.25e9] == set()  # a fast link hides whole behind the weight gradients
     assert capped[1.25e7] == set(seams)  # a slow one only up to their share
+
+
+def test_the_measured_overlap_loss_takes_its_share_of_what_the_seams_hide() -> None:
+    cfg = small()
+    plain = [profile(n, s, LinkModel(1e-4, 1.25e7)) for n, s in (("a", 1.0), ("b", 0.4))]
+    base = predict(plan_tp(cfg, plain), plain)
+    full = network_of(plain).traffic_s(plain[0].traffic, ["a", "b"])  # type: ignore[union-attr]
+    hidden = {s: full[s] - seg["transfer_s"] for s, seg in base["segments"].items()}
+    assert sum(hidden.values()) > 0
+    for loss in (0.3, 1.0, 1.5):  # the group's, as measured: the largest of its devices'
+        lossy = [replace(plain[0], overlap_loss=loss / 2), replace(plain[1], overlap_loss=loss)]
+        pred = predict(plan_tp(cfg, lossy), lossy)
+        for s, seg in pred["segments"].items():
+            # the same barriers (compute is not touched), less of the transfer hidden: at
+            # 1 nothing (one after the other), above 1 more than the collectives themselves
+            assert seg["barrier_s"] == pytest.approx(base["segments"][s]["barrier_s"])
+            assert seg["transfer_s"] == pytest.approx(full[s] - (1 - loss) * hidden[s])
+    back = DeviceProfile.from_dict(replace(plain[1], overlap_loss=0.25).to_dict())
+    assert back.overlap_loss == 0.25
+    old = {k: v for k, v in plain[1].to_dict().items() if k != "overlap_loss"}
+    assert DeviceProfile.from_dict(old).overlap_loss == 0.0  # before it was measured: free

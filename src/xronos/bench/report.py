@@ -142,13 +142,14 @@ def auto_against_best(strategies: dict[str, dict[str, Any]]) -> dict[str, Any] |
 
 
 def measured_link(profile: DeviceProfile) -> dict[str, Any]:
-    """A device's link as its profile fitted it (none on one device), and the group's wait
-    per barrier."""
+    """A device's link as its profile fitted it (none on one device), the group's wait per
+    barrier and what overlapping an all-reduce with computing fails to hide."""
     out: dict[str, Any] = {"name": profile.name}
     if profile.link is not None:
         out |= profile.link.to_dict()
         out["sustained_bps"] = profile.link.sustained_bps
     out["barrier_wait_s"] = profile.sync_s
+    out["overlap_loss"] = profile.overlap_loss
     return out
 
 

@@ -228,7 +228,8 @@ are on the wire (:mod:`xronos.parallel.columns`): the weight gradients of the pr
 after the seam, counted in products of equal size per unit. Attention: q, k and v of 12
 (four projections, each forward, input gradient and weight gradient; the attention core,
 ~6 % of the projections' work at 64 tokens and hidden 512, is left out); MLP: gate and up
-of 9; the LM head: its weight gradient, 1 of 3."""
+of 9; the LM head: its weight gradient, 1 of 3. What overlapping costs the CPU that both
+computes and moves the bytes is the measured :attr:`Network.overlap_loss`."""
 
 
 def overlapped_seams(traffic: Traffic) -> dict[str, int]:
@@ -253,6 +254,9 @@ class Network:
     """Each device's link to the switch (star model), same order as ``names``."""
     measured: tuple[tuple[str, ...], LinkModel] | None = None
     """The group an all-reduce was measured on, and its line ``t(b)`` (whole operation)."""
+    overlap_loss: float = 0.0
+    """Of the overlapped seconds, the share the overlap fails to hide
+    (:mod:`xronos.profiler.overlap`; 0: hidden as if free)."""
 
     def link(self, name: str) -> LinkModel:
         return self.links[self.names.index(name)]
@@ -274,11 +278,12 @@ class Network:
     ) -> dict[str, float]:
         """Seconds of each barrier's collectives that its weight gradients hide: the
         overlapped seams' all-reduces, up to :data:`OVERLAP_SHARE` of the barrier's
-        compute (``barriers``: seconds from one barrier to the next, per segment)."""
+        compute (``barriers``: seconds from one barrier to the next, per segment), less
+        :attr:`overlap_loss` of them (negative where overlapping loses)."""
         act = max((b for entries in traffic.values() for _, b in entries), default=0)
         one = self.allreduce_s(act, ranks)
         return {
-            s: min(n * one, OVERLAP_SHARE[s] * barriers.get(s, 0.0))
+            s: min(n * one, OVERLAP_SHARE[s] * barriers.get(s, 0.0)) * (1 - self.overlap_loss)
             for s, n in overlapped_seams(traffic).items()
             if n > 0
         }

@@ -85,6 +85,10 @@ class DeviceProfile:
     """Measured wait per barrier among the profiled devices when each reaches it at the
     same time on average: how far the slowest of them strays from its mean (a throttled
     CPU runs in bursts; a busy host preempts). 0: not measured, or one device."""
+    overlap_loss: float = 0.0
+    """Of the time an all-reduce is overlapped with computing, the share the overlap fails
+    to hide, measured on the profiled group (:mod:`xronos.profiler.overlap`): the same on
+    every device of it. 0: not measured (hidden as if free), or one device."""
     embed_s: float = 0.0
     """A tied model's whole token embedding on this device, forward + backward (+ update)
     for the profiled batch: what a pipeline's first stage runs besides its layers (tensor
@@ -143,6 +147,7 @@ class DeviceProfile:
                 tied_grad_bytes=int(d.get("tied_grad_bytes", 0)),
                 step_scale=float(d.get("step_scale", 1.0)),
                 sync_s=float(d.get("sync_s", 0.0)),
+                overlap_loss=float(d.get("overlap_loss", 0.0)),
                 embed_s=float(d.get("embed_s", 0.0)),
                 embed_split_s=float(d.get("embed_split_s", 0.0)),
                 update_s={k: float(v) for k, v in d.get("update_s", {}).items()},
@@ -168,7 +173,8 @@ def network_of(profiles: Sequence[DeviceProfile]) -> Network | None:
         group, fit = next(iter(fits))
         measured = None if fit is None else (group, fit)
     names = tuple(p.name for p in profiles)
-    return Network(names, tuple(x for x in links if x is not None), measured)
+    loss = max(p.overlap_loss for p in profiles)
+    return Network(names, tuple(x for x in links if x is not None), measured, loss)
 
 
 def save_profiles(path: str, profiles: list[DeviceProfile], meta: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ from xronos.planner.plan import segment_units
 from xronos.planner.profile import CostCurve, DeviceProfile
 from xronos.profiler.bytes import base_bytes, memory_scale, unit_bytes, whole_need
 from xronos.profiler.measure import SPLIT_PASSES, SegmentTimes, Shape, measure_segments
+from xronos.profiler.overlap import measure_overlap
 from xronos.profiler.update import measure_update
 from xronos.profiler.whole import split_to_whole, step_peak, time_whole_step
 
@@ -66,6 +67,7 @@ def profile_key(device: dict[str, Any], shape: Shape) -> str:
                 "whole step: 3 warm-up steps; the median of 3 that agree within 10 %",
                 "memory: four MLP activations a column; scaled to the whole step's peak",
                 "lines: a warm-up round; implausible points timed again",
+                "overlap loss",
             ],
             "optimizer": "adamw fused",  # the step's optimizer, as the update is timed
         },
@@ -295,8 +297,8 @@ def profile_self(
     tokens = shape.batch_size * shape.seq_len
     numel = tokens * cfg.hidden_size
     link, ar_fit = measure_links(group, numel)
-    sync = measure_sync(group)
     names = group.gather_object(name)
+    tied = cfg.tie_word_embeddings and shape.lora is None  # its gradient travels whole
     return DeviceProfile(
         name=name,
         segments=measured.curves,
@@ -306,12 +308,9 @@ def profile_self(
         embed_split_s=measured.embed_split_s,
         update_s=measure_update(shape),
         step_scale=measured.scale,
-        tied_grad_bytes=(
-            4 * cfg.vocab_size * cfg.hidden_size
-            if cfg.tie_word_embeddings and shape.lora is None
-            else 0
-        ),
-        sync_s=sync,
+        tied_grad_bytes=4 * cfg.vocab_size * cfg.hidden_size if tied else 0,
+        sync_s=measure_sync(group),  # collective, as the next: the same order on every rank
+        overlap_loss=measure_overlap(group, tokens, cfg.hidden_size),
         allreduce_s=time_allreduce(group, numel),
         allreduces_per_step=4 * cfg.num_layers + 3,
         link=link,
