@@ -40,3 +40,46 @@ def test_the_twin_runs_its_warm_up_steps_before_the_timed_one(
     assert all(t is not session.trainer for t in steps)
     session.isolated_compute(micro)
     assert len(steps) == SLOW_FIRST_STEPS + 2  # a built twin is not warmed again
+
+
+def test_the_bench_pairs_alternate_which_half_goes_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Always second, the twin read faster than the step it followed (a `single` that sends
+    # nothing read up to 29 % of stall): tensor parallelism's pairs alternate the order; the
+    # first pair builds the twin and is not kept.
+    from types import SimpleNamespace
+
+    from xronos.bench import steps as bench_steps
+    from xronos.comm.launch import WorkerContext
+
+    source = ModelSource.from_name("tiny")
+    session = tp.TPSession(
+        source, Plan.single(source.cfg, "local"), TPGroup(), OptimConfig(), Strategy.SINGLE
+    )
+    order: list[str] = []
+    real_iso = tp.TPSession.isolated_compute
+
+    def iso(self: tp.TPSession, micro: object) -> object:
+        order.append("twin")
+        return real_iso(self, micro)  # type: ignore[arg-type]
+
+    real_step = bench_steps._step
+
+    def step(*args: object, **kwargs: object) -> object:
+        order.append("step")
+        return real_step(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tp.TPSession, "isolated_compute", iso)
+    monkeypatch.setattr(bench_steps, "_step", step)
+    ctx = WorkerContext(0, 1, "local", TPGroup(), 60.0, ("local",))
+    log = bench_steps.StrategyLog()
+    run = SimpleNamespace(ctx=ctx, logs={Strategy.SINGLE: log})
+    ids = torch.randint(0, source.cfg.vocab_size, (2, 8))
+    for r in range(bench_steps.ISOLATED_REPEATS + 1):
+        bench_steps._paired(Strategy.SINGLE, session, [(ids, ids.clone())], run, r)  # type: ignore[arg-type]
+    pairs = [tuple(order[i : i + 2]) for i in range(0, len(order), 2)]
+    rounds = range(bench_steps.ISOLATED_REPEATS + 1)
+    assert pairs == [("twin", "step") if r % 2 else ("step", "twin") for r in rounds]
+    assert bench_steps.ISOLATED_REPEATS % 2 == 0  # as many kept pairs of either order
+    # every kept pair's halves are in the log, the first pair's not: one span a step here
+    assert len(log.observed) == len(log.isolated) == bench_steps.ISOLATED_REPEATS
+    assert {s.name for s in log.observed} == {s.name for s in log.isolated}

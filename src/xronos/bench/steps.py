@@ -27,11 +27,11 @@ from xronos.train.loop import STEP_END, Leave, run_step
 from xronos.train.session import Session, Strategy
 from xronos.train.tp import TPSession, compute_gaps
 
-ISOLATED_REPEATS = 3
-"""Pairs per strategy after its counted steps: one more step and at once its isolated re-run,
-compared half with half (against every counted step, re-runs timed at the end read the
-host's drift: ``single``, which sends nothing, read 3-14 % of stall). A first round is not
-kept: it builds the twins, after which a step runs slow (``single``'s 1.1 s against 0.5)."""
+ISOLATED_REPEATS = 4
+"""Pairs per strategy after its counted steps: one more step and its isolated re-run, half
+with half (re-runs timed after all steps read the host's drift as stall). The first pair
+builds the twins and is not kept (the step after it ran 1.1 s against 0.5); TP's pairs
+alternate which half goes first (always second, the twin ran fast: ``single`` 7.5-28.9 %)."""
 SETTLE = 2
 """Warm-up steps after a move in the warm-up (a fresh shard's first steps run slow)."""
 MORE_WARMUP = 24
@@ -138,8 +138,8 @@ class Run:
         logs: dict[Strategy, StrategyLog],
         progress: Progress,
     ) -> None:
-        self.job, self.ctx, self.profiles, self.peak, self.logs = job, ctx, profiles, peak, logs
-        self.progress = progress
+        self.job, self.ctx, self.profiles, self.peak = job, ctx, profiles, peak
+        self.logs, self.progress = logs, progress
         self.peaks: dict[Strategy, int] = {}
         """Per strategy: this process's peak resident bytes during its steps (its turn)."""
         self.starts: dict[Strategy, int] = {}
@@ -221,9 +221,8 @@ class Run:
         if mover is None or counted or not isinstance(session, TPSession):
             return session
         fresh = mover.after(session, records)
-        longer = self.warmup
-        if fresh is not None:  # moved: the new plan's first steps are not the run's
-            longer = step + 1 + SETTLE
+        # moved: the new plan's first steps are not the run's
+        longer = step + 1 + SETTLE if fresh is not None else self.warmup
         if mover.undo is not None:  # a balance move waits for its steps' verdict
             longer = max(longer, step + 2)
         self.warmup = max(self.warmup, min(longer, self.job.warmup + MORE_WARMUP))
@@ -257,8 +256,7 @@ class Run:
         mine = self._solo_ranks(runs, solo_ok)[self.ctx.rank]
         if not (mine or times_together(self.job, solo_ok)):
             return None
-        spec = replace(self.job.spec, strategy=Strategy.SINGLE)
-        ctx = self.ctx
+        spec, ctx = replace(self.job.spec, strategy=Strategy.SINGLE), self.ctx
         alone = WorkerContext(0, 1, ctx.device, TPGroup(), ctx.timeout_s, (ctx.device,))
         return open_session(spec, alone, TPGroup(), self.profiles, self.first).session
 
@@ -311,7 +309,7 @@ class Run:
         for r in range(ISOLATED_REPEATS + 1):
             micro = data.next_step()
             for s in (runs[i] for i in round_order(len(runs), r)):
-                _paired(sessions[s], micro, self.ctx, self.logs[s], keep=r > 0)
+                _paired(s, sessions[s], micro, self, r)
         for s in runs:
             self.logs[s].warmup = self.warmup
             self._finish(s, sessions[s], iso=True)
@@ -332,7 +330,7 @@ class Run:
                 session = self._step(s, session, micro, step)
                 self.progress.step(step + 1, job.warmup + job.steps, job.warmup, f"{s.value}: ")
             for r in range(ISOLATED_REPEATS + 1 if s.is_pipeline else 0):
-                _paired(session, data.next_step(), ctx, self.logs[s], keep=r > 0)
+                _paired(s, session, data.next_step(), self, r)
             self._finish(s, session, iso=s.is_pipeline)
             self.peaks[s] = self.peak.peak_bytes()
             del session
@@ -385,16 +383,18 @@ def _step(
     return own_records
 
 
-def _paired(
-    session: Session | None, micro: list[Batch], ctx: WorkerContext, log: StrategyLog, keep: bool
-) -> None:
-    """One more step of a strategy, not counted, and at once its isolated re-run on the same
-    batch (:data:`ISOLATED_REPEATS`): this rank's halves of a pair go to ``log`` if kept."""
+def _paired(s: Strategy, session: Session | None, micro: list[Batch], run: Run, r: int) -> None:
+    """Pair ``r`` of ``s`` (:data:`ISOLATED_REPEATS`): one more step, not counted, and its
+    isolated re-run on the same batch after it (TP, odd ``r``: before it; a pipeline replays
+    what its step received); this rank's halves go to the log unless ``r`` is 0."""
+    ctx, log = run.ctx, run.logs[s]
     n, m = len(log.observed), len(log.isolated)
-    _step(session, micro, ctx, log, paired=True)
-    ctx.group.barrier()
-    if session is not None:
-        got = session.isolated_compute(micro)
-        log.isolated += got if not session.strategy.is_pipeline else _ranked(got, ctx.rank)
-    if not keep:
+    for half in ("twin", "step") if r % 2 and not s.is_pipeline else ("step", "twin"):
+        if half == "step":
+            _step(session, micro, ctx, log, paired=True)
+        elif session is not None:
+            got = session.isolated_compute(micro)
+            log.isolated += got if not session.strategy.is_pipeline else _ranked(got, ctx.rank)
+        ctx.group.barrier()
+    if r == 0:
         del log.observed[n:], log.isolated[m:]
