@@ -31,7 +31,7 @@ ISOLATED_REPEATS = 4
 """Pairs per strategy after its counted steps: one more step and its isolated re-run, half
 with half (re-runs timed after all steps read the host's drift as stall). The first pair
 builds the twins and is not kept (the step after it ran 1.1 s against 0.5); TP's pairs
-alternate which half goes first (always second, the twin ran fast: ``single`` 7.5-28.9 %)."""
+alternate which half goes first (always second, the twin ran fast: ``single`` 0-28.9 %)."""
 SETTLE = 2
 """Warm-up steps after a move in the warm-up (a fresh shard's first steps run slow)."""
 MORE_WARMUP = 24
