@@ -20,7 +20,7 @@ the all-reduce's time at its own speed, then every round times the all-reduce al
 products alone, and the two overlapped, each after a barrier; a round's time is its slowest
 device's, and each of the three is the median over rounds (interleaved, so the host's drift
 moves all three alike). Measured on ``ci-2dev`` (docs/benchmarks.md): 0.21-0.30 at 200
-Mbit/s, 0.38-0.76 at 1 Gbit/s, 1.0-1.9 on loopback, where the message leaves only once the
+Mbit/s, 0.38-0.78 at 1 Gbit/s, 1.0-1.9 on loopback, where the message leaves only once the
 computing ends.
 """
 
