@@ -232,8 +232,7 @@ class Run:
         if iso:
             log = self.logs[s]
             both = self.ctx.group.gather_object((log.observed, log.isolated))
-            log.observed = [x for o, _ in both for x in o]
-            log.isolated = [x for _, i in both for x in i]
+            log.observed, log.isolated = ([x for part in both for x in part[k]] for k in (0, 1))
         described = self.ctx.group.gather_object(session.describe() if session else None)
         self.logs[s].plan = next(d for d in described if d is not None)
         moved = self.ctx.group.gather_object(self.logs[s].moves)
@@ -385,11 +384,12 @@ def _step(
 
 def _paired(s: Strategy, session: Session | None, micro: list[Batch], run: Run, r: int) -> None:
     """Pair ``r`` of ``s`` (:data:`ISOLATED_REPEATS`): one more step, not counted, and its
-    isolated re-run on the same batch after it (TP, odd ``r``: before it; a pipeline replays
-    what its step received); this rank's halves go to the log unless ``r`` is 0."""
+    re-run on the same batch after it, for TP on odd ``r`` before it (on every rank: a
+    pipeline, ``auto``'s too, replays what its step received); kept unless ``r`` is 0."""
     ctx, log = run.ctx, run.logs[s]
     n, m = len(log.observed), len(log.isolated)
-    for half in ("twin", "step") if r % 2 and not s.is_pipeline else ("step", "twin"):
+    pipeline = ctx.group.gather_object(session is not None and session.strategy.is_pipeline)
+    for half in ("twin", "step") if r % 2 and not any(pipeline) else ("step", "twin"):
         if half == "step":
             _step(session, micro, ctx, log, paired=True)
         elif session is not None:
