@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -110,3 +111,30 @@ def test_a_failing_worker_stops_everyone(how: str, kind: type, needle: str) -> N
         assert (err.value.device, err.value.rank) == ("hub", 1)
     # bounded: the collective timeout (5 s) plus process start-up, never the 600 s sleep
     assert time.monotonic() - t0 < 90
+
+
+def _sleep_and_tell(ctx: WorkerContext, seconds: float) -> bool:
+    time.sleep(seconds)
+    return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_the_fork_server_outlives_a_sigterm_to_the_process_group() -> None:
+    # `timeout` or a service manager's stop sends SIGTERM to every process of the group. The
+    # launcher hears its workers' exits through the fork server: had it died of the signal,
+    # every worker would read as dead (exit code 255) while finishing its step.
+    from multiprocessing import forkserver
+
+    def stop_the_server() -> None:
+        deadline = time.monotonic() + 30
+        while forkserver._forkserver._forkserver_pid is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the workers started (or are starting) meanwhile
+        os.kill(forkserver._forkserver._forkserver_pid, signal.SIGTERM)
+
+    stopper = threading.Thread(target=stop_the_server)
+    stopper.start()
+    try:
+        told = run_world(_sleep_and_tell, 2, 3.0)
+    finally:
+        stopper.join()
+    assert told == [True, True]  # and the workers take SIGTERM's default back

@@ -1,8 +1,10 @@
-"""Ctrl-C during `xronos finetune`: every worker stops at a step boundary, a final
-checkpoint is written, and no emulation state (cgroups) is left behind."""
+"""Ctrl-C during `xronos finetune`, or SIGTERM (``kill``, a service manager's stop): every
+worker stops at a step boundary, a final checkpoint is written, and no emulation state
+(cgroups) is left behind."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -25,7 +27,12 @@ def _xronos_cgroups() -> set[str]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_checkpoints_and_cleans_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sig", "group"),
+    [(signal.SIGINT, False), (signal.SIGTERM, True)],
+    ids=["ctrl-c-to-the-launcher", "sigterm-to-every-process"],
+)
+def test_a_stop_checkpoints_and_cleans_up(tmp_path: Path, sig: signal.Signals, group: bool) -> None:
     if detect() is None:
         pytest.skip("no writable cgroups here: the emulation teardown cannot be observed")
     before = _xronos_cgroups()
@@ -63,6 +70,7 @@ def test_ctrl_c_checkpoints_and_cleans_up(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        start_new_session=True,  # a process group of its own, as `timeout` makes
     )
     deadline = time.monotonic() + 120
     metrics = run / "metrics.jsonl"
@@ -71,7 +79,10 @@ def test_ctrl_c_checkpoints_and_cleans_up(tmp_path: Path) -> None:
             break
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()
-    proc.send_signal(signal.SIGINT)
+    if group:  # `timeout`, a service manager's stop: the workers and the fork server too
+        os.killpg(proc.pid, sig)
+    else:  # the launcher alone (a terminal's Ctrl-C reaches the workers too; they ignore it)
+        proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "interrupted at step" in err and "--resume" in err, err

@@ -459,6 +459,32 @@ def test_a_process_that_ignores_sigterm_keeps_ignoring_it(tmp_path: Path) -> Non
 
 
 @needs_cgroups
+def test_an_owner_that_stops_on_sigterm_as_on_ctrl_c_tears_down_on_the_way_out(
+    tmp_path: Path,
+) -> None:
+    # `xronos finetune` maps SIGTERM to Ctrl-C: its workers must finish their step first,
+    # so the signal may not tear the devices down under them; the `with` block does, as
+    # the KeyboardInterrupt leaves it.
+    cluster = ClusterSpec("c", (DeviceSpec("hub", 1, 1.0),))
+    run = run_id()
+    before = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        with Emulator(cluster, run, state_dir=tmp_path, check_speed=False):
+            made, during = leftover_dirs(run), None
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises before this ends
+            except KeyboardInterrupt:
+                during = leftover_dirs(run)
+        assert made, "the emulator made no cgroup to observe"
+        assert during == made  # the signal left the devices standing
+        assert leftover_dirs(run) == []  # the `with` block took them down
+        assert signal.getsignal(signal.SIGTERM) == signal.default_int_handler  # restored
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+@needs_cgroups
 @pytest.mark.slow
 def test_cleanup_stale_removes_what_a_killed_launcher_left(tmp_path: Path) -> None:
     run = run_id()

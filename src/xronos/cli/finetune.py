@@ -7,9 +7,13 @@ smart-home data set across an emulated heterogeneous cluster sized to this host.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import signal
 import sys
+import threading
 import typing
+from collections.abc import Iterator
 from typing import Any
 
 from xronos.runconfig import RunConfig, config_fields, field_docs
@@ -51,6 +55,28 @@ def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field[Any], hint: Any, 
 
 
 def run(args: argparse.Namespace) -> int:
+    with _sigterm_as_ctrl_c():
+        return _run(args)
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM (``kill``, ``timeout``, a service manager's or a container's stop) stops the
+    run as Ctrl-C does: every device after the step in flight, with a checkpoint, and the
+    emulation torn down on the way out. A process started with SIGTERM ignored keeps
+    ignoring it."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous == signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _run(args: argparse.Namespace) -> int:
     from xronos.run.elastic import launch_elastic
     from xronos.run.monitor import RunMonitor
     from xronos.run.prepare import accuracy, prepare_run, write_config

@@ -111,6 +111,7 @@ def _worker_main(
     env: dict[str, str] | None = None,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's ignores it
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
@@ -304,7 +305,8 @@ def _collect(
             if stop_signal is None:
                 raise
             print(
-                "xronos: stopping at the end of this step (Ctrl-C again to abort)", file=sys.stderr
+                "xronos: stopping at the end of this step (Ctrl-C or SIGTERM again to abort)",
+                file=sys.stderr,
             )
             send_stop(stop_signal)
             stop_signal = None
@@ -342,10 +344,7 @@ def _collect(
 def _stop_all(procs: list[Any], grace_s: float = 3.0) -> None:
     for p in procs:
         if p.is_alive():
-            p.terminate()
+            p.kill()  # not SIGTERM: to a finetune worker that asks it to finish its step
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)

@@ -18,6 +18,7 @@ def start_method(module: str, forked: bool) -> Any:
     """
     if forked and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["xronos.comm.warm", module])  # used once per process
+        # used once per process; the server outlives a SIGTERM to the process group
+        ctx.set_forkserver_preload(["xronos.comm.server", "xronos.comm.warm", module])
         return ctx
     return mp.get_context("spawn")

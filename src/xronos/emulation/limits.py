@@ -333,6 +333,8 @@ class Emulator:
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         prev = self._prev_sigterm
+        if prev is signal.default_int_handler and os.getpid() == self._owner:
+            prev(signum, frame)  # as Ctrl-C: the ``with`` block tears down on the way out
         self.close()
         if callable(prev):
             prev(signum, frame)

@@ -259,7 +259,10 @@ def _restager(
 def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     """Open the strategy's session, train ``job.steps`` steps with the one loop, evaluate
     and checkpoint as asked; every rank returns the same result."""
-    signal.signal(signal.SIGUSR1, request_stop)
+    # the launcher's ask (SIGUSR1); SIGTERM, where it reaches the workers with the launcher
+    # (``timeout``, a stop of the whole process group): stop after the step, checkpoint
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, request_stop)
     torch.manual_seed(job.seed)
     profiles = Profiles(ctx, job.session.shape, job.profiles)
     opened = open_session(job.session, ctx, ctx.group, profiles.usable, job.data.peek())
