@@ -138,3 +138,25 @@ def test_the_fork_server_outlives_a_sigterm_to_the_process_group() -> None:
     finally:
         stopper.join()
     assert told == [True, True]  # and the workers take SIGTERM's default back
+
+
+def _tell_stop_after(ctx: WorkerContext, seconds: float) -> bool:
+    time.sleep(seconds)
+    from xronos.comm.stop import requested
+
+    return requested()
+
+
+def test_a_stop_asked_while_the_workers_start_is_kept() -> None:
+    # `stop_when` holds at the first poll, right after the workers were started: the stop
+    # signal reaches them while they start (or just after). It is kept as a request, as
+    # the training loop reads it, not the signal's default (which ends the process).
+    told = launch(
+        _tell_stop_after,
+        [0.5, 0.5],
+        ["a", "b"],
+        timeout_s=60,
+        stop_signal=signal.SIGUSR1,
+        stop_when=lambda: True,
+    )
+    assert told == [True, True]

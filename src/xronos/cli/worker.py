@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     from xronos.comm.heap import keep_freed_memory
     from xronos.comm.launch import WorkerContext
     from xronos.comm.mappings import TPGroup
+    from xronos.comm.stop import request as request_stop
     from xronos.emulation import ClusterSpec, DeviceSpec
     from xronos.run.coordinator import share_job
     from xronos.run.membership import (
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from xronos.run.monitor import RunMonitor
     from xronos.run.prepare import accuracy, prepare_run, write_config
-    from xronos.run.worker import finetune_worker, request_stop
+    from xronos.run.worker import finetune_worker
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise UserError(

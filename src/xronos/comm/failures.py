@@ -48,6 +48,8 @@ def _note(
     """A worker's message read while telling who failed: an event goes on to
     ``on_event``; any other report adds its sender to ``heard``."""
     kind, rank, payload = message
+    if kind == "up":  # a worker that started: no report
+        return
     if kind != "event":
         heard.add(rank)
     elif on_event is not None:

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from xronos.comm import stop
 from xronos.comm.failures import SILENCE_GRACE_S, raise_died, raise_root_cause, silent_peer
 from xronos.comm.groups import init_world
 from xronos.comm.heap import keep_freed_memory
@@ -109,9 +110,14 @@ def _worker_main(
     latency_s: tuple[float, ...] | None = None,
     bandwidth_bps: tuple[float | None, ...] | None = None,
     env: dict[str, str] | None = None,
+    stop_signal: int | None = None,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's ignores it
+    if stop_signal is not None:  # from now on a stop is a request; the parent holds its
+        stop.listen(stop_signal, signal.SIGTERM)  # ask until this worker says it is up
+        results.put(("up", rank, None))
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's ignores it
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
@@ -209,6 +215,9 @@ def launch(
         stop_signal: on the first Ctrl-C, send this signal to every worker and keep
             collecting (workers that handle it stop cleanly, e.g. after a checkpoint); a
             second Ctrl-C stops them at once. None: the first Ctrl-C stops them at once.
+            Each worker takes it, and SIGTERM, as a request (:mod:`xronos.comm.stop`) from
+            its first instruction and then says so; one that is still starting gets the
+            signal once it has.
         stop_when: polled while the workers run (after each event, and five times a
             second); once it returns True, ``stop_signal`` is sent as for a Ctrl-C.
         latency_s: one-way latency of each device's link, rank order, added to every
@@ -264,6 +273,7 @@ def launch(
                     latencies,
                     rates,
                     env,
+                    stop_signal,
                 ),
                 name=f"xronos-{devices[rank]}",
                 daemon=False,
@@ -289,11 +299,13 @@ def _collect(
     stop_when: Callable[[], bool] | None = None,
 ) -> list[Any]:
     out: dict[int, Any] = {}
+    up: set[int] = set()  # workers that take the stop signal as a request (said "up")
+    sent: list[int] = []  # the stop signal, once sent: a worker that comes up later gets it
 
     def send_stop(sig: int) -> None:
-        for p in procs:
-            if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, sig)
+        sent.append(sig)
+        for rank in up:
+            _signal(procs[rank], sig)
 
     while len(out) < len(procs):
         if stop_signal is not None and stop_when is not None and stop_when():
@@ -319,7 +331,11 @@ def _collect(
                     if results.empty():
                         raise_died(devices, rank, p.exitcode)
             continue
-        if kind == "event":
+        if kind == "up":
+            up.add(rank)
+            for sig in sent[:1]:
+                _signal(procs[rank], sig)
+        elif kind == "event":
             if on_event is not None:
                 on_event(rank, payload)
         elif kind == "ok":
@@ -339,6 +355,11 @@ def _collect(
                     raise DeviceLost(devices[silent], silent, why, seen)
             raise WorkerError(f"device {devices[rank]!r} (rank {rank}) failed: {first}", tb)
     return [out[r] for r in range(len(procs))]
+
+
+def _signal(p: Any, sig: int) -> None:
+    if p.is_alive() and p.pid is not None:
+        os.kill(p.pid, sig)
 
 
 def _stop_all(procs: list[Any], grace_s: float = 3.0) -> None:

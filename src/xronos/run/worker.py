@@ -9,7 +9,6 @@ directory's logs and the evaluation metric (it holds the tokenizer).
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,6 +19,7 @@ from xronos.checkpoint import checkpoint_path, prune_checkpoints
 from xronos.comm.iothreads import restored
 from xronos.comm.launch import WorkerContext
 from xronos.comm.mappings import TPGroup
+from xronos.comm.stop import requested as stop_requested
 from xronos.errors import UserError
 from xronos.metrics.recorder import SpanRecorder
 from xronos.metrics.records import StepRecord
@@ -94,18 +94,9 @@ def lead_result(results: list[WorkerResult]) -> WorkerResult:
     return next((r for r in results if r.members), results[0])
 
 
-_STOP = {"requested": False}
-
-
-def request_stop(signum: int, frame: Any) -> None:
-    """A signal handler: stop after the step in flight (every rank agrees at its end),
-    checkpoint and return."""
-    _STOP["requested"] = True
-
-
 def _agree_stop(group: TPGroup) -> bool:
     """True on every rank once any rank was asked to stop (Ctrl-C in the parent)."""
-    flag = torch.tensor([1.0 if _STOP["requested"] else 0.0])
+    flag = torch.tensor([1.0 if stop_requested() else 0.0])
     if group.size > 1:
         import torch.distributed as dist
 
@@ -259,11 +250,7 @@ def _restager(
 def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     """Open the strategy's session, train ``job.steps`` steps with the one loop, evaluate
     and checkpoint as asked; every rank returns the same result."""
-    # the launcher's ask (SIGUSR1); SIGTERM, where it reaches the workers with the launcher
-    # (``timeout``, a stop of the whole process group): stop after the step, checkpoint
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, request_stop)
-    torch.manual_seed(job.seed)
+    torch.manual_seed(job.seed)  # the launcher takes its stop signal and SIGTERM as a stop
     profiles = Profiles(ctx, job.session.shape, job.profiles)
     opened = open_session(job.session, ctx, ctx.group, profiles.usable, job.data.peek())
     session = opened.session
