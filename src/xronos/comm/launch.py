@@ -333,8 +333,8 @@ def _collect(
             continue
         if kind == "up":
             up.add(rank)
-            for sig in sent[:1]:
-                _signal(procs[rank], sig)
+            if sent:
+                _signal(procs[rank], sent[0])
         elif kind == "event":
             if on_event is not None:
                 on_event(rank, payload)

@@ -249,8 +249,9 @@ def _restager(
 
 def finetune_worker(ctx: WorkerContext, job: FinetuneJob) -> WorkerResult:
     """Open the strategy's session, train ``job.steps`` steps with the one loop, evaluate
-    and checkpoint as asked; every rank returns the same result."""
-    torch.manual_seed(job.seed)  # the launcher takes its stop signal and SIGTERM as a stop
+    and checkpoint as asked; every rank returns the same result. A stop request
+    (:mod:`xronos.comm.stop`: the launcher's stop signal, SIGTERM) ends it after a step."""
+    torch.manual_seed(job.seed)
     profiles = Profiles(ctx, job.session.shape, job.profiles)
     opened = open_session(job.session, ctx, ctx.group, profiles.usable, job.data.peek())
     session = opened.session
